@@ -1,0 +1,245 @@
+"""The argument contract of every op in SPEC.md, written once for every backend.
+
+`check(...)` reads only shapes, dtypes, devices and (when they are concrete)
+`cu_seqlens` values, so it serves torch tensors, jax arrays (traced or not) and
+numpy arrays alike. It raises `ValueError`/`TypeError` naming the argument, the
+expected and the actual shape or value, and returns a frozen `Plan` that the
+launchers use instead of re-deriving sizes.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+INT_DTYPES = ("int32", "int64", "int16", "int8", "uint8", "uint16", "uint32", "uint64")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes and switches of one call, normalised to the batched layout.
+
+    With `varlen`, B == 1, T is the packed token count and N the number of
+    sequences; without it N == B. `packed` says the inputs came as [total, H, *]
+    (the launchers view them as [1, total, H, *] and give `o` back packed).
+    `g` is "none", "head" ([B,T,H], one scalar per head and step) or "key"
+    ([B,T,H,K]); `g_gamma` is "none", "head" ([H]) or "seq" ([N,H]).
+    """
+
+    B: int
+    T: int
+    H: int
+    Hk: int
+    K: int
+    V: int
+    N: int
+    g: str
+    gk: bool
+    gv: bool
+    g_gamma: str
+    initial_state: bool
+    scale: float
+    reverse: bool
+    varlen: bool
+    packed: bool
+    dtype: str
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head."""
+        return self.H // self.Hk
+
+
+def dtype_name(x) -> str:
+    """'float32', 'bfloat16', ... for torch, numpy and jax arrays alike."""
+    return str(x.dtype).replace("torch.", "")
+
+
+def _device(x):
+    """A comparable device label, or None where none applies (numpy) or can be known (tracers)."""
+    if isinstance(x, np.ndarray):
+        return None
+    if type(x).__module__.startswith("torch"):
+        return str(x.device)
+    try:  # concrete jax array
+        return ",".join(sorted(str(d) for d in x.devices()))
+    except Exception:
+        return None
+
+
+def known_values(x):
+    """The values of `x` as a numpy array, or None while they are traced."""
+    if isinstance(x, np.ndarray):
+        return x
+    if type(x).__module__.startswith("torch"):
+        return x.detach().cpu().numpy()
+    try:
+        return np.asarray(x)
+    except Exception:
+        return None
+
+
+def _shape(x) -> tuple:
+    return tuple(int(s) for s in x.shape)
+
+
+def _fmt(names, sizes) -> str:
+    return "[" + ", ".join(n if s is None else f"{n}={s}" for n, s in zip(names, sizes)) + "]"
+
+
+def _expect_shape(name, x, names, sizes):
+    """Raise unless x.shape == sizes (None entries match anything)."""
+    shape = _shape(x)
+    ok = len(shape) == len(sizes) and all(s is None or s == a for s, a in zip(sizes, shape))
+    if not ok:
+        raise ValueError(f"{name}: expected shape {_fmt(names, sizes)}, got {shape}")
+
+
+def _expect_float(name, x):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name}: expected an array or tensor, got {type(x).__name__}")
+    dt = dtype_name(x)
+    if dt not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected a floating dtype ({', '.join(FLOAT_DTYPES)}), got {dt}")
+
+
+def check(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
+          initial_state=None, reverse=False, cu_seqlens=None) -> Plan:
+    """Validate the arguments of `recurrent` (SPEC.md) and return their Plan."""
+    arrays = {"q": q, "k": k, "v": v, "g": g, "g_gamma": g_gamma, "gk": gk, "gv": gv,
+              "initial_state": initial_state}
+    for name, x in arrays.items():
+        if x is not None:
+            _expect_float(name, x)
+
+    varlen = cu_seqlens is not None
+    packed = varlen and len(q.shape) == 3
+    if packed:
+        lead_names = ["total"]
+    elif len(q.shape) == 4:
+        lead_names = ["B", "T"]
+    elif varlen:
+        raise ValueError(f"q: expected shape [B, T, H, K] or packed [total, H, K], got {_shape(q)}")
+    else:
+        raise ValueError(f"q: expected shape [B, T, H, K] (packed [total, H, K] needs cu_seqlens), "
+                         f"got {_shape(q)}")
+    lead = _shape(q)[:-2]
+    H, K = _shape(q)[-2:]
+    B, T = (1, lead[0]) if packed else lead
+    if H < 1 or K < 1:
+        raise ValueError(f"q: expected H >= 1 and K >= 1, got shape {_shape(q)}")
+
+    _expect_shape("k", k, lead_names + ["Hk", "K"], list(lead) + [None, K])
+    Hk = _shape(k)[-2]
+    if Hk < 1 or H % Hk != 0:
+        raise ValueError(f"k: expected a kv head count Hk dividing H={H}, got Hk={Hk}")
+    _expect_shape("v", v, lead_names + ["Hk", "V"], list(lead) + [Hk, None])
+    V = _shape(v)[-1]
+    if V < 1:
+        raise ValueError(f"v: expected V >= 1, got shape {_shape(v)}")
+
+    N = B
+    if varlen:
+        if not hasattr(cu_seqlens, "shape") or not hasattr(cu_seqlens, "dtype"):
+            raise TypeError(f"cu_seqlens: expected a 1-d integer array or tensor, "
+                            f"got {type(cu_seqlens).__name__}")
+        if dtype_name(cu_seqlens) not in INT_DTYPES:
+            raise TypeError(f"cu_seqlens: expected an integer dtype, got {dtype_name(cu_seqlens)}")
+        if len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 2:
+            raise ValueError(f"cu_seqlens: expected shape [N + 1] with N >= 1, "
+                             f"got {_shape(cu_seqlens)}")
+        if B != 1:
+            raise ValueError(f"cu_seqlens: expected batch size B=1 with cu_seqlens, got B={B} "
+                             f"(q shape {_shape(q)})")
+        N = int(cu_seqlens.shape[0]) - 1
+        cu = known_values(cu_seqlens)
+        if cu is not None:
+            _check_cu_values(cu, T)
+
+    g_kind = "none"
+    if g is not None:
+        if len(g.shape) == len(q.shape) - 1:
+            g_kind = "head"
+            _expect_shape("g", g, lead_names + ["H"], list(lead) + [H])
+        else:
+            g_kind = "key"
+            _expect_shape("g", g, lead_names + ["H", "K"], list(lead) + [H, K])
+    if gk is not None:
+        _expect_shape("gk", gk, lead_names + ["H", "K"], list(lead) + [H, K])
+    if gv is not None:
+        _expect_shape("gv", gv, lead_names + ["H", "V"], list(lead) + [H, V])
+
+    gamma_kind = "none"
+    if g_gamma is not None:
+        if len(g_gamma.shape) == 1:
+            gamma_kind = "head"
+            _expect_shape("g_gamma", g_gamma, ["H"], [H])
+        else:
+            gamma_kind = "seq"
+            _expect_shape("g_gamma", g_gamma, ["N", "H"], [N, H])
+    if initial_state is not None:
+        _expect_shape("initial_state", initial_state, ["N", "H", "K", "V"], [N, H, K, V])
+
+    scale = _check_scale(softmax_scale, K)
+    if not isinstance(reverse, (bool, np.bool_)):
+        raise TypeError(f"reverse: expected a bool, got {type(reverse).__name__}")
+
+    devices = {}
+    for name, x in dict(arrays, cu_seqlens=cu_seqlens).items():
+        d = None if x is None else _device(x)
+        if d is not None:
+            devices.setdefault(d, name)
+    if len(devices) > 1:
+        where = ", ".join(f"{n} on {d}" for d, n in devices.items())
+        raise ValueError(f"{list(devices.values())[-1]}: expected every tensor on one device, "
+                         f"got {where}")
+
+    return Plan(B=B, T=T, H=H, Hk=Hk, K=K, V=V, N=N, g=g_kind, gk=gk is not None,
+                gv=gv is not None, g_gamma=gamma_kind, initial_state=initial_state is not None,
+                scale=scale, reverse=bool(reverse), varlen=varlen, packed=packed,
+                dtype=dtype_name(q))
+
+
+def _check_cu_values(cu, total):
+    cu = np.asarray(cu)
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens: expected to start at 0, got cu_seqlens[0]={int(cu[0])}")
+    steps = np.diff(cu.astype(np.int64))
+    if (steps < 0).any():
+        i = int(np.argmax(steps < 0))
+        raise ValueError(f"cu_seqlens: expected non-decreasing values, got "
+                         f"cu_seqlens[{i}]={int(cu[i])} > cu_seqlens[{i + 1}]={int(cu[i + 1])}")
+    if cu[-1] != total:
+        raise ValueError(f"cu_seqlens: expected to end at the token count {total}, "
+                         f"got cu_seqlens[-1]={int(cu[-1])}")
+
+
+def _check_scale(softmax_scale, K) -> float:
+    if softmax_scale is None:
+        return float(K) ** -0.5
+    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale: expected a Python float, got {type(softmax_scale).__name__}")
+    scale = float(softmax_scale)
+    if not np.isfinite(scale):
+        raise ValueError(f"softmax_scale: expected a finite number, got {scale}")
+    return scale
+
+
+def check_lightning(H: int, layer_idx, num_layers) -> None:
+    """Validate the Lightning attention layer position."""
+    for name, x in (("layer_idx", layer_idx), ("num_layers", num_layers)):
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+            raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
+    if num_layers < 1:
+        raise ValueError(f"num_layers: expected >= 1, got {num_layers}")
+    if not 0 <= layer_idx < num_layers:
+        raise ValueError(f"layer_idx: expected 0 <= layer_idx < num_layers={num_layers}, "
+                         f"got {layer_idx}")
+
+
+def lightning_g_gamma(H: int, layer_idx: int, num_layers: int) -> np.ndarray:
+    """SPEC.md's Lightning decay, float32 [H]: -(8/H * (1 - layer_idx/num_layers)) * arange(H)."""
+    return (-(8.0 / H * (1.0 - layer_idx / num_layers)) * np.arange(H)).astype(np.float32)

@@ -1,0 +1,29 @@
+"""The Triton kernels, written once and launched by both frameworks.
+
+Triton reads TRITON_INTERPRET when a function is decorated, and its own
+standard library (tl.zeros, tl.sum, ...) is decorated when `triton` is first
+imported. So the choice is made here, before anything imports triton: with no
+active GPU driver (Triton's own test: torch sees no CUDA/ROCm device), the
+kernels run in Triton's interpreter on CPU tensors. Set TRITON_INTERPRET
+yourself before importing anything to force either way.
+"""
+
+import os
+import sys
+
+
+def _gpu_driver_active() -> bool:
+    try:
+        import torch
+    except ImportError:  # Triton's drivers need torch to report a device too
+        return False
+    return torch.cuda.is_available()
+
+
+# Triton already imported without the interpreter: its library functions are
+# compiled-mode only, so CPU launches cannot work; launchers report it.
+TRITON_PREIMPORTED = "triton" in sys.modules and "TRITON_INTERPRET" not in os.environ
+if "TRITON_INTERPRET" not in os.environ and not TRITON_PREIMPORTED and not _gpu_driver_active():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"

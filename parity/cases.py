@@ -1,0 +1,108 @@
+"""Test and parity cases: what a case is, and its inputs, generated once in NumPy.
+
+A `Case` names the SPEC features it exercises; `inputs(case, seed)` returns
+float32 NumPy arrays (rounding to a lower dtype happens where the arrays are
+handed to a framework, and the oracle sees the rounded values).
+"""
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    B: int = 1
+    T: int = 12
+    H: int = 2
+    Hk: int = 2
+    K: int = 8
+    V: int = 8
+    g: str = "none"         # "none" | "head" ([B,T,H]) | "key" ([B,T,H,K])
+    gk: bool = False
+    gv: bool = False
+    g_gamma: str = "none"   # "none" | "head" ([H]) | "seq" ([N,H])
+    initial_state: bool = False
+    reverse: bool = False
+    seqlens: tuple = None   # packed variable-length sequences (B must be 1)
+    packed: bool = False    # give packed inputs as [total, H, *] rather than [1, total, H, *]
+    gate_scale: float = 1.0  # log gates are -uniform(0.02, 1) * gate_scale per step
+    softmax_scale: float = None
+    # Gate gradients come from the cumulative identity da_r = da_{r+1} + q.dq' - k.dk',
+    # whose fp32 rounding is absolute: about epsilon times the O(1) q.dq terms. When
+    # strong decays make the true gate gradient tiny (1e-10 against O(1) terms), its
+    # relative error says nothing, so such cases measure it against this RMS floor.
+    gate_grad_floor: float = 0.0
+
+    @property
+    def N(self):
+        return len(self.seqlens) if self.seqlens else self.B
+
+    def with_(self, **kw):
+        return replace(self, **kw)
+
+
+def inputs(case: Case, seed: int = 0) -> dict:
+    """Arguments of `recurrent` for this case (float32 NumPy, int32 cu_seqlens),
+    plus the cotangents `do` and `dfinal_state`."""
+    rng = np.random.default_rng(seed)
+    T = sum(case.seqlens) if case.seqlens else case.T
+    lead = (T,) if case.packed else (case.B, T)
+    B, H, Hk, K, V, N = case.B, case.H, case.Hk, case.K, case.V, case.N
+
+    def normal(*shape, s=1.0):
+        return (rng.standard_normal(lead + shape) * s).astype(np.float32)
+
+    def gate(*shape):
+        return (-rng.uniform(0.02, 1.0, lead + shape) * case.gate_scale).astype(np.float32)
+
+    out = dict(q=normal(H, K), k=normal(Hk, K), v=normal(Hk, V), do=normal(H, V),
+               dfinal_state=rng.standard_normal((N, H, K, V)).astype(np.float32))
+    if case.g == "head":
+        out["g"] = gate(H)
+    elif case.g == "key":
+        out["g"] = gate(H, K)
+    if case.gk:
+        out["gk"] = gate(H, K)
+    if case.gv:
+        out["gv"] = gate(H, V)
+    if case.g_gamma != "none":
+        shape = (H,) if case.g_gamma == "head" else (N, H)
+        out["g_gamma"] = (-rng.uniform(0.02, 0.5, shape) * case.gate_scale).astype(np.float32)
+    if case.initial_state:
+        out["initial_state"] = rng.standard_normal((N, H, K, V)).astype(np.float32)
+    if case.seqlens:
+        out["cu_seqlens"] = np.concatenate([[0], np.cumsum(case.seqlens)]).astype(np.int32)
+    return out
+
+
+def call_kwargs(case: Case, arrays: dict) -> dict:
+    """The keyword arguments of `recurrent` from a dict holding the arrays."""
+    names = ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state", "cu_seqlens")
+    kw = {n: arrays[n] for n in names if arrays.get(n) is not None}
+    kw.update(reverse=case.reverse, softmax_scale=case.softmax_scale)
+    return kw
+
+
+# Each SPEC feature alone, then combined; tiny enough for the Triton interpreter.
+FEATURES = [
+    Case("plain"),
+    Case("g-head", g="head"),
+    Case("g-key", g="key"),
+    Case("gk", gk=True),
+    Case("gv", gv=True),
+    Case("gamma-head", g_gamma="head"),
+    Case("gamma-seq", B=2, H=1, Hk=1, g_gamma="seq"),
+    Case("initial-state", B=2, H=1, Hk=1, initial_state=True),
+    Case("reverse", g="key", reverse=True),
+    Case("varlen", H=1, Hk=1, seqlens=(5, 0, 9, 3), g="key", initial_state=True, packed=True),
+    Case("varlen-batched-form", H=1, Hk=1, seqlens=(4, 7), gv=True),
+    Case("gqa", H=4, Hk=1, K=6, V=10, g="head"),
+    Case("odd-kv", H=1, Hk=1, K=33, V=40, gk=True, gv=True, initial_state=True),
+    Case("scale", g="head", softmax_scale=0.3),
+    Case("everything", H=2, Hk=1, K=5, V=7, g="key", gk=True, gv=True, g_gamma="seq",
+         initial_state=True, reverse=True, seqlens=(6, 1, 0, 8), packed=True),
+    Case("strong-gates", g="key", gv=True, gate_scale=40.0, initial_state=True,
+         gate_grad_floor=1e-2),
+]

@@ -1,0 +1,182 @@
+"""The shared argument contract: every SPEC.md error case, in every framework."""
+
+import numpy as np
+import pytest
+
+from bridge import contract
+
+torch = pytest.importorskip("torch")
+jnp = pytest.importorskip("jax.numpy")
+
+B, T, H, HK, K, V = 2, 6, 4, 2, 8, 5
+
+FRAMEWORKS = {
+    "numpy": lambda a: a,
+    "torch": torch.from_numpy,
+    "jax": jnp.asarray,
+}
+
+
+def _args(xp, **over):
+    """Valid arguments, with `over` replacing some; values are numpy shapes/dtypes."""
+    shapes = dict(q=(B, T, H, K), k=(B, T, HK, K), v=(B, T, HK, V))
+    arrays = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
+    arrays.update(over)
+    return {n: (xp(a) if isinstance(a, np.ndarray) else a) for n, a in arrays.items()}
+
+
+def _raises(exc, name, xp, **over):
+    args = _args(xp, **over)
+    with pytest.raises(exc) as info:
+        contract.check(**args)
+    assert str(info.value).startswith(name + ":"), str(info.value)
+    return str(info.value)
+
+
+def f32(*shape):
+    return np.zeros(shape, np.float32)
+
+
+@pytest.fixture(params=sorted(FRAMEWORKS))
+def xp(request):
+    return FRAMEWORKS[request.param]
+
+
+def test_valid_plan(xp):
+    plan = contract.check(**_args(xp, g=f32(B, T, H), gv=f32(B, T, H, V), g_gamma=f32(H),
+                                  initial_state=f32(B, H, K, V)))
+    assert (plan.B, plan.T, plan.H, plan.Hk, plan.K, plan.V, plan.N) == (B, T, H, HK, K, V, B)
+    assert (plan.g, plan.gk, plan.gv, plan.g_gamma, plan.initial_state) == ("head", False, True,
+                                                                             "head", True)
+    assert plan.scale == pytest.approx(K ** -0.5) and plan.group == H // HK
+    assert not plan.varlen and not plan.packed and plan.dtype == "float32"
+
+
+def test_valid_packed_plan(xp):
+    cu = np.array([0, 2, 2, 7], np.int32)
+    plan = contract.check(**_args(xp, q=f32(7, H, K), k=f32(7, HK, K), v=f32(7, HK, V),
+                                  g=f32(7, H, K), g_gamma=f32(3, H), initial_state=f32(3, H, K, V),
+                                  cu_seqlens=cu, softmax_scale=0.25, reverse=True))
+    assert (plan.B, plan.T, plan.N, plan.g, plan.g_gamma) == (1, 7, 3, "key", "seq")
+    assert plan.varlen and plan.packed and plan.reverse and plan.scale == 0.25
+
+
+@pytest.mark.parametrize("name,over", [
+    ("q", dict(q=f32(B, T, H * K))),
+    ("q", dict(q=f32(T, H, K), k=f32(T, HK, K), v=f32(T, HK, V))),  # packed without cu_seqlens
+    ("k", dict(k=f32(B, T + 1, HK, K))),
+    ("k", dict(k=f32(B, T, HK, K + 1))),
+    ("k", dict(k=f32(B, T, 3, K), v=f32(B, T, 3, V))),  # H % Hk != 0
+    ("v", dict(v=f32(B, T, HK + 1, V))),
+    ("v", dict(v=f32(B, T, HK))),
+    ("g", dict(g=f32(B, T, H, K + 1))),
+    ("g", dict(g=f32(B, T, H + 1))),
+    ("gk", dict(gk=f32(B, T, H))),
+    ("gv", dict(gv=f32(B, T, H, K))),
+    ("g_gamma", dict(g_gamma=f32(H + 1))),
+    ("g_gamma", dict(g_gamma=f32(B + 1, H))),
+    ("initial_state", dict(initial_state=f32(B + 1, H, K, V))),
+    ("initial_state", dict(initial_state=f32(B, H, V, K))),
+])
+def test_shape_errors(xp, name, over):
+    msg = _raises(ValueError, name, xp, **over)
+    assert "expected" in msg and "got" in msg
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state"])
+def test_non_floating_input(xp, name):
+    shapes = dict(q=(B, T, H, K), k=(B, T, HK, K), v=(B, T, HK, V), g=(B, T, H, K),
+                  gk=(B, T, H, K), gv=(B, T, H, V), g_gamma=(H,), initial_state=(B, H, K, V))
+    msg = _raises(TypeError, name, xp, **{name: np.zeros(shapes[name], np.int32)})
+    assert "int32" in msg
+
+
+def test_not_an_array(xp):
+    _raises(TypeError, "g", xp, g=[[0.0]])
+
+
+def _packed(cu, total=7, **over):
+    return dict(q=f32(1, total, H, K), k=f32(1, total, HK, K), v=f32(1, total, HK, V),
+                cu_seqlens=np.asarray(cu), **over)
+
+
+@pytest.mark.parametrize("cu,exc,fragment", [
+    (np.array([[0, 7]]), ValueError, "[N + 1]"),
+    (np.array([7]), ValueError, "[N + 1]"),
+    (np.array([0.0, 7.0], np.float32), TypeError, "integer"),
+    (np.array([1, 7]), ValueError, "start at 0"),
+    (np.array([0, 5, 3, 7]), ValueError, "non-decreasing"),
+    (np.array([0, 3, 6]), ValueError, "end at the token count 7"),
+])
+def test_cu_seqlens_errors(xp, cu, exc, fragment):
+    assert fragment in _raises(exc, "cu_seqlens", xp, **_packed(cu))
+
+
+def test_cu_seqlens_needs_batch_one(xp):
+    over = dict(cu_seqlens=np.array([0, 3, T]))
+    assert "B=1" in _raises(ValueError, "cu_seqlens", xp, **over)
+
+
+def test_initial_state_count_with_cu_seqlens(xp):
+    over = _packed([0, 3, 7], initial_state=f32(3, H, K, V))
+    assert "N=2" in _raises(ValueError, "initial_state", xp, **over)
+
+
+def test_cu_seqlens_values_unknown_under_jit():
+    """A traced cu_seqlens is checked by shape and dtype only (its values are unknown)."""
+    import jax
+
+    def f(cu):
+        plan = contract.check(jnp.zeros((7, H, K)), jnp.zeros((7, HK, K)), jnp.zeros((7, HK, V)),
+                              cu_seqlens=cu)
+        return jnp.zeros(plan.N)
+
+    assert jax.jit(f)(jnp.array([0, 3, 7])).shape == (2,)
+    assert jax.jit(f)(jnp.array([0, 9, 7])).shape == (2,)  # bad values: not knowable here
+    with pytest.raises(TypeError, match="^cu_seqlens: expected an integer dtype"):
+        jax.jit(f)(jnp.array([0.0, 7.0]))
+
+
+@pytest.mark.parametrize("value,exc", [("0.5", TypeError), (True, TypeError),
+                                       (float("nan"), ValueError), (float("inf"), ValueError)])
+def test_bad_scale(xp, value, exc):
+    _raises(exc, "softmax_scale", xp, softmax_scale=value)
+
+
+def test_scale_accepts_numbers(xp):
+    assert contract.check(**_args(xp, softmax_scale=np.float32(0.5))).scale == 0.5
+    assert contract.check(**_args(xp, softmax_scale=2)).scale == 2.0
+
+
+def test_bad_reverse(xp):
+    _raises(TypeError, "reverse", xp, reverse="yes")
+
+
+def test_devices_differ():
+    args = _args(torch.from_numpy)
+    args["v"] = args["v"].to("meta")
+    with pytest.raises(ValueError, match=r"^v: expected every tensor on one device.*meta"):
+        contract.check(**args)
+
+
+def test_numpy_mixes_with_any_device():
+    """numpy arrays carry no device, so they may be handed to either framework."""
+    args = _args(jnp.asarray)
+    args["g"] = f32(B, T, H)
+    assert contract.check(**args).g == "head"
+
+
+@pytest.mark.parametrize("layer_idx,num_layers,exc,name", [
+    (0, 0, ValueError, "num_layers"), (4, 4, ValueError, "layer_idx"),
+    (-1, 4, ValueError, "layer_idx"), (1.0, 4, TypeError, "layer_idx"),
+    (0, True, TypeError, "num_layers"),
+])
+def test_lightning_errors(layer_idx, num_layers, exc, name):
+    with pytest.raises(exc, match=f"^{name}:"):
+        contract.check_lightning(H, layer_idx, num_layers)
+
+
+def test_lightning_g_gamma_is_the_spec_formula():
+    got = contract.lightning_g_gamma(8, 3, 12)
+    want = np.array([-(8 / 8 * (1 - 3 / 12)) * h for h in range(8)], np.float32)
+    assert got.dtype == np.float32 and np.array_equal(got, want)
