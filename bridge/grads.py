@@ -7,6 +7,9 @@ both pass through. Buffers (batched layout): dq, dk_h, dv_h per query head
 """
 
 
+BUFFERS = ("dq", "dk_h", "dv_h", "da", "dg_head", "db", "dgamma", "d_initial_state")
+
+
 def _per_kv_head(x, plan):
     """Sum a per-query-head gradient [B,T,H,D] over each kv head's group."""
     if plan.group == 1:

@@ -9,7 +9,7 @@ means the interpreted Triton kernel). `mode`: "fused_recurrent", "chunk" or
 
 import torch
 
-from bridge import contract
+from bridge import contract, variants
 from . import triton_launch
 
 PLATFORMS = ("auto", "triton", "torch")
@@ -70,30 +70,5 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
     return (o[0] if plan.packed else o), final_state
 
 
-def recurrent_gla(q, k, v, g=None, g_gamma=None, softmax_scale=None, initial_state=None,
-                  reverse=False, cu_seqlens=None, *, platform="auto", mode="auto"):
-    """GLA: `g` is the key-dim log decay [B,T,H,K] (or one per head, [B,T,H])."""
-    return recurrent(q, k, v, g=g, g_gamma=g_gamma, softmax_scale=softmax_scale,
-                     initial_state=initial_state, reverse=reverse, cu_seqlens=cu_seqlens,
-                     platform=platform, mode=mode)
-
-
-def lightning_attn(q, k, v, layer_idx, num_layers, softmax_scale=None, initial_state=None,
-                   reverse=False, cu_seqlens=None, *, platform="auto", mode="auto"):
-    """Lightning attention: a constant per-head decay set by the layer's depth."""
-    H = q.shape[-2]
-    contract.check_lightning(H, layer_idx, num_layers)
-    g_gamma = torch.from_numpy(contract.lightning_g_gamma(H, layer_idx, num_layers)).to(q.device)
-    return recurrent(q, k, v, g_gamma=g_gamma, softmax_scale=softmax_scale,
-                     initial_state=initial_state, reverse=reverse, cu_seqlens=cu_seqlens,
-                     platform=platform, mode=mode)
-
-
-def gla_attention(q, k, v, g=None, g_gamma=None, initial_state=None, cu_seqlens=None, /, *,
-                  softmax_scale=None, reverse=False, return_state=False, platform=None,
-                  mode="auto"):
-    """ejkernel-style entry: returns o, or (o, final_state) with return_state=True."""
-    o, final_state = recurrent(q, k, v, g=g, g_gamma=g_gamma, softmax_scale=softmax_scale,
-                               initial_state=initial_state, reverse=reverse,
-                               cu_seqlens=cu_seqlens, platform=platform or "auto", mode=mode)
-    return (o, final_state) if return_state else o
+recurrent_gla, lightning_attn, gla_attention = variants.named_variants(
+    recurrent, lambda a, like: torch.from_numpy(a).to(like.device))

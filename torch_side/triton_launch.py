@@ -1,4 +1,4 @@
-"""Runs `bridge` launch lists on torch tensors, and the autograd Function over them.
+"""The autograd Function over the `bridge` kernels, launched on torch tensors.
 
 On CUDA tensors the kernels compile for the GPU; on CPU tensors they run in
 Triton's interpreter (`bridge.kernels` switches it on when no GPU driver is
@@ -10,29 +10,9 @@ import torch
 from bridge import grads
 from bridge.kernels import INTERPRETED
 from bridge.kernels import fused_recurrent
-from bridge.launch import resolve_dtype
+from bridge.torch_runner import run
 
 ARGS = ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state")
-_DTYPES = {"float32": torch.float32}
-
-
-def run(launches, env: dict) -> dict:
-    """Execute the launches in order; outputs are added to `env` by name."""
-    dummy = env["q"]
-    for launch in launches:
-        args = [dummy if name is None else env[name] for name in launch.inputs]
-        outs = []
-        for out in launch.outputs:
-            if out is None:
-                outs.append(dummy)
-                continue
-            dtype = resolve_dtype(out.dtype, env)
-            env[out.name] = torch.empty(out.shape, dtype=_DTYPES.get(dtype, dtype),
-                                        device=dummy.device)
-            outs.append(env[out.name])
-        launch.kernel[launch.grid](*args, *launch.scalars, *outs, **launch.constexprs,
-                                   num_warps=launch.num_warps, num_stages=launch.num_stages)
-    return env
 
 
 def _check_device(q):

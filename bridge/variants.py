@@ -1,0 +1,40 @@
+"""The named variants of SPEC.md, written once over a framework's `recurrent`.
+
+`named_variants(recurrent, constant)` returns (recurrent_gla, lightning_attn,
+gla_attention) for a framework; `constant(np_array, like)` turns a NumPy array
+into that framework's array on `like`'s device.
+"""
+
+from . import contract
+
+
+def named_variants(recurrent, constant):
+    def recurrent_gla(q, k, v, g=None, g_gamma=None, softmax_scale=None, initial_state=None,
+                      reverse=False, cu_seqlens=None, **options):
+        """GLA: `g` is the key-dim log decay [B,T,H,K] (or one per head, [B,T,H])."""
+        return recurrent(q, k, v, g=g, g_gamma=g_gamma, softmax_scale=softmax_scale,
+                         initial_state=initial_state, reverse=reverse, cu_seqlens=cu_seqlens,
+                         **options)
+
+    def lightning_attn(q, k, v, layer_idx, num_layers, softmax_scale=None, initial_state=None,
+                       reverse=False, cu_seqlens=None, **options):
+        """Lightning attention: the constant per-head decay
+        g_gamma = -(8/H * (1 - layer_idx/num_layers)) * arange(H), no other gates."""
+        H = q.shape[-2]
+        contract.check_lightning(H, layer_idx, num_layers)
+        g_gamma = constant(contract.lightning_g_gamma(H, layer_idx, num_layers), q)
+        return recurrent(q, k, v, g_gamma=g_gamma, softmax_scale=softmax_scale,
+                         initial_state=initial_state, reverse=reverse, cu_seqlens=cu_seqlens,
+                         **options)
+
+    def gla_attention(q, k, v, g=None, g_gamma=None, initial_state=None, cu_seqlens=None, /, *,
+                      softmax_scale=None, reverse=False, return_state=False, platform=None,
+                      **options):
+        """ejkernel-style entry: returns o, or (o, final_state) with return_state=True."""
+        o, final_state = recurrent(q, k, v, g=g, g_gamma=g_gamma, softmax_scale=softmax_scale,
+                                   initial_state=initial_state, reverse=reverse,
+                                   cu_seqlens=cu_seqlens, platform=platform or "auto",
+                                   **options)
+        return (o, final_state) if return_state else o
+
+    return recurrent_gla, lightning_attn, gla_attention

@@ -1,0 +1,5 @@
+"""JAX ops of gla-bridge: recurrent / gated linear attention (SPEC.md)."""
+
+from .ops import gla_attention, lightning_attn, recurrent, recurrent_gla
+
+__all__ = ["recurrent", "recurrent_gla", "lightning_attn", "gla_attention"]

@@ -1,0 +1,77 @@
+"""The public JAX ops of SPEC.md: jittable, differentiable in every floating input.
+
+`platform`: "triton" (the `bridge` kernels: jax-triton on CUDA, Triton's
+interpreter through a host callback on CPU), "xla" (the chunked algorithm in
+jax.numpy / lax), "pallas" (TPU; not built yet) or "auto" (Triton on GPU, XLA
+elsewhere). `mode` picks the Triton kernel family, as on the PyTorch side.
+Only Python values (scale, reverse, platform, mode) are static: `cu_seqlens`
+and `g_gamma` may be traced.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from bridge import contract, variants
+
+PLATFORMS = ("auto", "triton", "xla", "pallas")
+MODES = ("auto", "chunk", "fused_recurrent")
+
+
+def _pick_platform(platform, mode):
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform: expected one of {PLATFORMS}, got {platform!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    if platform == "auto":
+        platform = "triton" if jax.default_backend() == "gpu" else "xla"
+    if platform == "pallas":
+        raise NotImplementedError("platform='pallas' (the TPU path) is not available yet; "
+                                  "use platform='xla'")
+    if platform == "xla" and mode == "fused_recurrent":
+        raise ValueError("mode: 'fused_recurrent' is a Triton kernel; platform='xla' computes "
+                         "the chunked form (use mode='auto' or 'chunk')")
+    if platform == "triton" and mode == "chunk":
+        raise NotImplementedError("mode='chunk' (the chunked Triton kernels) is not available "
+                                  "yet; use mode='fused_recurrent' or platform='xla'")
+    return platform
+
+
+def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
+              initial_state=None, reverse=False, cu_seqlens=None, *, platform="auto",
+              mode="auto"):
+    """The general gated recurrence of SPEC.md.
+
+    q [B,T,H,K], k [B,T,Hk,K], v [B,T,Hk,V] (or packed [total,H,*] with
+    cu_seqlens); g [B,T,H(,K)], gk [B,T,H,K], gv [B,T,H,V] log decays; g_gamma
+    [H] or [N,H]; initial_state [N,H,K,V]. Returns (o [B,T,H,V] in q's dtype,
+    final_state [N,H,K,V] float32).
+    """
+    plan = contract.check(q, k, v, g=g, g_gamma=g_gamma, gk=gk, gv=gv,
+                          softmax_scale=softmax_scale, initial_state=initial_state,
+                          reverse=reverse, cu_seqlens=cu_seqlens)
+    platform = _pick_platform(platform, mode)
+
+    def batched(x):
+        if x is None:
+            return None
+        x = jnp.asarray(x)
+        return x[None] if plan.packed else x
+
+    q, k, v, g, gk, gv = (batched(x) for x in (q, k, v, g, gk, gv))
+    g_gamma, initial_state, cu_seqlens = (None if x is None else jnp.asarray(x)
+                                          for x in (g_gamma, initial_state, cu_seqlens))
+    if platform == "xla":
+        from .xla import recurrent_xla
+
+        o, final_state = recurrent_xla(plan, q, k, v, g=g, gk=gk, gv=gv, g_gamma=g_gamma,
+                                       initial_state=initial_state, cu_seqlens=cu_seqlens)
+    else:
+        from .triton_launch import fused_recurrent_call
+
+        o, final_state = fused_recurrent_call(plan, cu_seqlens, q, k, v, g, gk, gv, g_gamma,
+                                              initial_state)
+    return (o[0] if plan.packed else o), final_state
+
+
+recurrent_gla, lightning_attn, gla_attention = variants.named_variants(
+    recurrent, lambda a, like: jnp.asarray(a))

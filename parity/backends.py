@@ -1,0 +1,203 @@
+"""The backends a parity run can compare, each behind the same small interface.
+
+`Backend.run(case, arrays, dtype)` takes float32 NumPy inputs already rounded
+to `dtype` (so every backend and the oracle see identical values), hands them
+to its framework through DLPack, and returns NumPy results: `o`,
+`final_state` and `d<name>` for every differentiable input, the gradients of
+sum(o * do) + sum(final_state * dfinal_state).
+"""
+
+import importlib.util
+
+import numpy as np
+
+from . import cases
+
+GRAD_NAMES = ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state")
+ACTIVATIONS = ("q", "k", "v", "do")  # given in the tested dtype; gates and states stay fp32
+
+
+def round_to(a: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values exactly representable in `dtype` (bf16 via torch or ml_dtypes)."""
+    if dtype in ("float32", "float64"):
+        return a
+    if dtype == "float16":
+        return a.astype(np.float16).astype(np.float32)
+    try:
+        import ml_dtypes
+
+        return a.astype(ml_dtypes.bfloat16).astype(np.float32)
+    except ImportError:
+        import torch
+
+        return torch.from_numpy(a).to(torch.bfloat16).float().numpy()
+
+
+def prepared(case, dtype: str, seed: int = 0) -> dict:
+    """The case's inputs with the activations rounded to `dtype`."""
+    return {n: round_to(a, dtype) if n in ACTIVATIONS else a
+            for n, a in cases.inputs(case, seed).items()}
+
+
+class Backend:
+    name = "?"
+    framework = "?"
+    interpreted = False  # slow: tiny cases only
+
+    def unavailable(self):
+        """None when this machine can run it, else the reason it is skipped."""
+        return None
+
+    def run(self, case, arrays, dtype):
+        raise NotImplementedError
+
+
+class Oracle(Backend):
+    name, framework = "oracle", "numpy"
+
+    def run(self, case, arrays, dtype):
+        from . import oracle
+
+        a = {n: np.asarray(x, np.float64) if n != "cu_seqlens" else x for n, x in arrays.items()}
+        kw = cases.call_kwargs(case, a)
+        o, state = oracle.recurrent(**kw)
+        grads = oracle.recurrent_grads(**kw, do=a["do"], dfinal_state=a["dfinal_state"])
+        return dict(o=o, final_state=state, **{"d" + n: g for n, g in grads.items()})
+
+
+class TorchBackend(Backend):
+    framework = "torch"
+
+    def __init__(self, platform, mode="auto"):
+        self.platform, self.mode = platform, mode
+        self.name = f"torch-{platform}" + ("-chunk" if mode == "chunk" else "")
+
+    def unavailable(self):
+        if importlib.util.find_spec("torch") is None:
+            return "torch is not installed"
+        if self.platform == "triton":
+            if importlib.util.find_spec("triton") is None:
+                return "triton is not installed"
+            from bridge import kernels
+            self.interpreted = kernels.INTERPRETED
+        if self.platform == "torch" and importlib.util.find_spec("torch_side.native") is None:
+            return "the torch-native path is not built yet"
+        return None
+
+    def device(self):
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def run(self, case, arrays, dtype, through=("o", "final_state"), transform=None):
+        """`through` picks the outputs the loss reads (testing each backward path);
+        `transform` may rewrite the call's tensors (e.g. into strided views)."""
+        import torch
+
+        import torch_side
+
+        t = {}
+        for n, a in arrays.items():
+            x = torch.from_dlpack(np.ascontiguousarray(a)).to(self.device())
+            if n in ACTIVATIONS:
+                x = x.to(getattr(torch, dtype))
+            t[n] = x.requires_grad_(n in GRAD_NAMES)
+        before = {n: x.detach().clone() for n, x in t.items()}
+        kw = cases.call_kwargs(case, t)
+        o, state = torch_side.recurrent(**(transform(kw) if transform else kw),
+                                        platform=self.platform, mode=self.mode)
+        names = [n for n in GRAD_NAMES if n in t]
+        loss = 0
+        if "o" in through:
+            loss = loss + (o.float() * t["do"].float()).sum()
+        if "final_state" in through:
+            loss = loss + (state * t["dfinal_state"]).sum()
+        grads = torch.autograd.grad(loss, [t[n] for n in names])
+        for n, x in before.items():
+            if not torch.equal(x, t[n].detach()):
+                raise AssertionError(f"{self.name} wrote into its input {n}")
+        if o.dtype != t["q"].dtype or state.dtype != torch.float32:
+            raise AssertionError(f"{self.name}: o is {o.dtype}, final_state {state.dtype}")
+        out = dict(o=o, final_state=state)
+        for n, gr in zip(names, grads):
+            if gr.dtype != t[n].dtype or gr.shape != t[n].shape:
+                raise AssertionError(f"{self.name}: d{n} is {gr.dtype} {tuple(gr.shape)}, "
+                                     f"input {t[n].dtype} {tuple(t[n].shape)}")
+            out["d" + n] = gr
+        return {k: v.detach().float().cpu().numpy() for k, v in out.items()}
+
+
+class JaxBackend(Backend):
+    framework = "jax"
+
+    def __init__(self, platform, mode="auto"):
+        self.platform, self.mode = platform, mode
+        self.name = f"jax-{platform}" + ("-chunk" if mode == "chunk" else "")
+
+    def unavailable(self):
+        if importlib.util.find_spec("jax") is None:
+            return "jax is not installed"
+        if self.platform == "triton":
+            for dep in ("torch", "triton"):
+                if importlib.util.find_spec(dep) is None:
+                    return f"{dep} is not installed (the CPU launch runs the interpreter on torch)"
+            from bridge import kernels
+            self.interpreted = kernels.INTERPRETED
+        if self.platform == "xla" and importlib.util.find_spec("jax_side.xla") is None:
+            return "the JAX XLA path is not built yet"
+        return None
+
+    def run(self, case, arrays, dtype):
+        import jax
+        import jax.numpy as jnp
+
+        import jax_side
+
+        x = {}
+        for n, a in arrays.items():
+            x[n] = jnp.from_dlpack(np.ascontiguousarray(a))
+            if n in ACTIVATIONS:
+                x[n] = x[n].astype(dtype)
+        kw = cases.call_kwargs(case, x)
+        static = {n: kw.pop(n) for n in ("reverse", "softmax_scale")}
+        diff = {n: kw.pop(n) for n in GRAD_NAMES if n in kw}
+
+        def loss(diff, rest, do, dstate):
+            o, state = jax_side.recurrent(**diff, **rest, **static, platform=self.platform,
+                                          mode=self.mode)
+            return ((o.astype(jnp.float32) * do.astype(jnp.float32)).sum()
+                    + (state * dstate).sum()), (o, state)
+
+        (_, (o, state)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
+            diff, kw, x["do"], x["dfinal_state"])
+        if o.dtype != x["q"].dtype or state.dtype != jnp.float32:
+            raise AssertionError(f"{self.name}: o is {o.dtype}, final_state {state.dtype}")
+        out = dict(o=o, final_state=state)
+        for n, gr in grads.items():
+            if gr.dtype != diff[n].dtype or gr.shape != diff[n].shape:
+                raise AssertionError(f"{self.name}: d{n} is {gr.dtype} {gr.shape}, "
+                                     f"input {diff[n].dtype} {diff[n].shape}")
+            out["d" + n] = gr
+        return {k: np.asarray(v.astype(jnp.float32)) for k, v in out.items()}
+
+
+class Missing(Backend):
+    """A backend that belongs in the matrix but does not exist yet."""
+
+    def __init__(self, name, framework, reason):
+        self.name, self.framework, self.reason = name, framework, reason
+
+    def unavailable(self):
+        return self.reason
+
+
+def all_backends():
+    """Every backend of the project, available or not (the oracle first)."""
+    return [
+        Oracle(),
+        TorchBackend("triton", "fused_recurrent"),
+        TorchBackend("torch"),
+        JaxBackend("xla"),
+        JaxBackend("triton", "fused_recurrent"),
+        Missing("jax-pallas", "jax", "the Pallas TPU path is not built yet"),
+    ]
