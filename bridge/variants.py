@@ -7,6 +7,15 @@ into that framework's array on `like`'s device.
 
 from . import contract
 
+RECURRENT_DOC = """The general gated recurrence of SPEC.md.
+
+    q [B,T,H,K], k [B,T,Hk,K], v [B,T,Hk,V] (or packed [total,H,*] with
+    cu_seqlens); g [B,T,H(,K)], gk [B,T,H,K], gv [B,T,H,V] log decays; g_gamma
+    [H] or [N,H]; initial_state [N,H,K,V]. Returns (o [B,T,H,V] in q's dtype,
+    final_state [N,H,K,V] float32). `platform` and `mode` pick the
+    implementation (see the module's docstring).
+    """
+
 
 def named_variants(recurrent, constant):
     def recurrent_gla(q, k, v, g=None, g_gamma=None, softmax_scale=None, initial_state=None,

@@ -8,6 +8,8 @@ Only Python values (scale, reverse, platform, mode) are static: `cu_seqlens`
 and `g_gamma` may be traced.
 """
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 
@@ -23,7 +25,9 @@ def _pick_platform(platform, mode):
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     if platform == "auto":
-        platform = "triton" if jax.default_backend() == "gpu" else "xla"
+        native = importlib.util.find_spec("jax_side.xla") is not None
+        gpu = jax.default_backend() == "gpu"
+        platform = "triton" if gpu or mode == "fused_recurrent" or not native else "xla"
     if platform == "pallas":
         raise NotImplementedError("platform='pallas' (the TPU path) is not available yet; "
                                   "use platform='xla'")
@@ -39,16 +43,8 @@ def _pick_platform(platform, mode):
 def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
               initial_state=None, reverse=False, cu_seqlens=None, *, platform="auto",
               mode="auto"):
-    """The general gated recurrence of SPEC.md.
-
-    q [B,T,H,K], k [B,T,Hk,K], v [B,T,Hk,V] (or packed [total,H,*] with
-    cu_seqlens); g [B,T,H(,K)], gk [B,T,H,K], gv [B,T,H,V] log decays; g_gamma
-    [H] or [N,H]; initial_state [N,H,K,V]. Returns (o [B,T,H,V] in q's dtype,
-    final_state [N,H,K,V] float32).
-    """
-    plan = contract.check(q, k, v, g=g, g_gamma=g_gamma, gk=gk, gv=gv,
-                          softmax_scale=softmax_scale, initial_state=initial_state,
-                          reverse=reverse, cu_seqlens=cu_seqlens)
+    plan = contract.check(q, k, v, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse,
+                          cu_seqlens)
     platform = _pick_platform(platform, mode)
 
     def batched(x):
@@ -71,6 +67,9 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
         o, final_state = fused_recurrent_call(plan, cu_seqlens, q, k, v, g, gk, gv, g_gamma,
                                               initial_state)
     return (o[0] if plan.packed else o), final_state
+
+
+recurrent.__doc__ = variants.RECURRENT_DOC
 
 
 recurrent_gla, lightning_attn, gla_attention = variants.named_variants(

@@ -39,6 +39,25 @@ def prepared(case, dtype: str, seed: int = 0) -> dict:
             for n, a in cases.inputs(case, seed).items()}
 
 
+def checked(name, o, state, grads, inputs) -> dict:
+    """{o, final_state, d<input>} after checking the SPEC's dtypes and shapes:
+    o in q's dtype, final_state float32, each gradient in its input's dtype
+    and shape. Works on torch tensors and jax arrays alike."""
+    from bridge.contract import dtype_name
+
+    if dtype_name(o) != dtype_name(inputs["q"]) or dtype_name(state) != "float32":
+        raise AssertionError(f"{name}: o is {dtype_name(o)} (q {dtype_name(inputs['q'])}), "
+                             f"final_state {dtype_name(state)}")
+    out = dict(o=o, final_state=state)
+    for n, gr in grads.items():
+        x = inputs[n]
+        if dtype_name(gr) != dtype_name(x) or tuple(gr.shape) != tuple(x.shape):
+            raise AssertionError(f"{name}: d{n} is {dtype_name(gr)} {tuple(gr.shape)}, "
+                                 f"input {dtype_name(x)} {tuple(x.shape)}")
+        out["d" + n] = gr
+    return out
+
+
 class Backend:
     name = "?"
     framework = "?"
@@ -116,14 +135,7 @@ class TorchBackend(Backend):
         for n, x in before.items():
             if not torch.equal(x, t[n].detach()):
                 raise AssertionError(f"{self.name} wrote into its input {n}")
-        if o.dtype != t["q"].dtype or state.dtype != torch.float32:
-            raise AssertionError(f"{self.name}: o is {o.dtype}, final_state {state.dtype}")
-        out = dict(o=o, final_state=state)
-        for n, gr in zip(names, grads):
-            if gr.dtype != t[n].dtype or gr.shape != t[n].shape:
-                raise AssertionError(f"{self.name}: d{n} is {gr.dtype} {tuple(gr.shape)}, "
-                                     f"input {t[n].dtype} {tuple(t[n].shape)}")
-            out["d" + n] = gr
+        out = checked(self.name, o, state, dict(zip(names, grads)), t)
         return {k: v.detach().float().cpu().numpy() for k, v in out.items()}
 
 
@@ -170,14 +182,7 @@ class JaxBackend(Backend):
 
         (_, (o, state)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
             diff, kw, x["do"], x["dfinal_state"])
-        if o.dtype != x["q"].dtype or state.dtype != jnp.float32:
-            raise AssertionError(f"{self.name}: o is {o.dtype}, final_state {state.dtype}")
-        out = dict(o=o, final_state=state)
-        for n, gr in grads.items():
-            if gr.dtype != diff[n].dtype or gr.shape != diff[n].shape:
-                raise AssertionError(f"{self.name}: d{n} is {gr.dtype} {gr.shape}, "
-                                     f"input {diff[n].dtype} {diff[n].shape}")
-            out["d" + n] = gr
+        out = checked(self.name, o, state, grads, x)
         return {k: np.asarray(v.astype(jnp.float32)) for k, v in out.items()}
 
 

@@ -4,8 +4,10 @@
 CPU), "torch" (the chunked algorithm in plain torch ops), or "auto" (Triton on
 CUDA tensors, torch on CPU tensors, except that mode="fused_recurrent" on CPU
 means the interpreted Triton kernel). `mode`: "fused_recurrent", "chunk" or
-"auto" (Triton only; see `_pick_mode`).
+"auto" (Triton kernels only: the fused recurrent kernel until the chunked ones land).
 """
+
+import importlib.util
 
 import torch
 
@@ -22,33 +24,23 @@ def _pick_platform(platform, mode, q):
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     if platform == "auto":
-        platform = "triton" if q.device.type == "cuda" or mode == "fused_recurrent" else "torch"
+        native = importlib.util.find_spec("torch_side.native") is not None
+        triton = q.device.type == "cuda" or mode == "fused_recurrent" or not native
+        platform = "triton" if triton else "torch"
     if platform == "torch" and mode == "fused_recurrent":
         raise ValueError("mode: 'fused_recurrent' is a Triton kernel; platform='torch' computes "
                          "the chunked form (use mode='auto' or 'chunk')")
-    return platform
-
-
-def _pick_mode(mode, plan):
-    if mode == "chunk":
+    if platform == "triton" and mode == "chunk":
         raise NotImplementedError("mode='chunk' (the chunked Triton kernels) is not available "
                                   "yet; use mode='fused_recurrent' or platform='torch'")
-    return "fused_recurrent"
+    return platform
 
 
 def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
               initial_state=None, reverse=False, cu_seqlens=None, *, platform="auto",
               mode="auto"):
-    """The general gated recurrence of SPEC.md.
-
-    q [B,T,H,K], k [B,T,Hk,K], v [B,T,Hk,V] (or packed [total,H,*] with
-    cu_seqlens); g [B,T,H(,K)], gk [B,T,H,K], gv [B,T,H,V] log decays; g_gamma
-    [H] or [N,H]; initial_state [N,H,K,V]. Returns (o [B,T,H,V] in q's dtype,
-    final_state [N,H,K,V] float32).
-    """
-    plan = contract.check(q, k, v, g=g, g_gamma=g_gamma, gk=gk, gv=gv,
-                          softmax_scale=softmax_scale, initial_state=initial_state,
-                          reverse=reverse, cu_seqlens=cu_seqlens)
+    plan = contract.check(q, k, v, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse,
+                          cu_seqlens)
     platform = _pick_platform(platform, mode, q)
 
     def batched(x):
@@ -65,9 +57,11 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
                                           gv=tokens[5], g_gamma=rest[0], initial_state=rest[1],
                                           cu_seqlens=cu_seqlens)
     else:
-        _pick_mode(mode, plan)
         o, final_state = triton_launch.FusedRecurrent.apply(plan, cu_seqlens, *tokens, *rest)
     return (o[0] if plan.packed else o), final_state
+
+
+recurrent.__doc__ = variants.RECURRENT_DOC
 
 
 recurrent_gla, lightning_attn, gla_attention = variants.named_variants(
