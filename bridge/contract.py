@@ -241,5 +241,6 @@ def check_lightning(H: int, layer_idx, num_layers) -> None:
 
 
 def lightning_g_gamma(H: int, layer_idx: int, num_layers: int) -> np.ndarray:
-    """SPEC.md's Lightning decay, float32 [H]: -(8/H * (1 - layer_idx/num_layers)) * arange(H)."""
-    return (-(8.0 / H * (1.0 - layer_idx / num_layers)) * np.arange(H)).astype(np.float32)
+    """SPEC.md's Lightning decay, float32 [H]: -(8/H * (1 - layer_idx/num_layers)) * arange(H),
+    the product taken in float32 as the formula reads (torch and NumPy both do so)."""
+    return np.float32(-(8.0 / H * (1.0 - layer_idx / num_layers))) * np.arange(H, dtype=np.float32)

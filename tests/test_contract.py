@@ -177,6 +177,8 @@ def test_lightning_errors(layer_idx, num_layers, exc, name):
 
 
 def test_lightning_g_gamma_is_the_spec_formula():
-    got = contract.lightning_g_gamma(8, 3, 12)
-    want = np.array([-(8 / 8 * (1 - 3 / 12)) * h for h in range(8)], np.float32)
-    assert got.dtype == np.float32 and np.array_equal(got, want)
+    for H, layer, layers in ((8, 3, 12), (7, 5, 24), (12, 0, 1)):
+        got = contract.lightning_g_gamma(H, layer, layers)
+        # the formula as torch reads it: a Python float times a float32 arange
+        want = (-(8 / H * (1 - layer / layers)) * torch.arange(H, dtype=torch.float32)).numpy()
+        assert got.dtype == np.float32 and np.array_equal(got, want)
