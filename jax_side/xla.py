@@ -1,14 +1,15 @@
 """Chunked gated linear attention in plain jax.numpy / lax (SPEC.md's recurrence).
 
-Tokens are cut into chunks of `chunk_size` (a static chunk table that also
-serves traced `cu_seqlens`): every chunk's own output and state update is
-computed at once with batched matmuls, and only the cheap elementwise state
-recurrence runs in a `lax.scan` over chunks. Log-decays are summed over
-16-token sub-chunks and combined through reference points (sub-chunk and chunk
-boundaries), so every exponent is <= 0 for gates <= 0 and precision stays at
-step-by-step level; pairwise exp(A_t - A_s) is formed only inside the diagonal
-16x16 blocks. Gradients are plain JAX autodiff (with `jax.checkpoint` around
-the chunk work so the backward keeps only chunk-sized inputs and states).
+Tokens go into chunks of `chunk_size` through a static-size chunk table that
+also serves traced `cu_seqlens`. Each chunk's own output and state update are
+computed for all chunks and heads at once (batched matmuls over Z = chunks x
+heads); only the cheap elementwise state recurrence runs in a `lax.scan` over
+chunks. Log decays are summed inside 16-token blocks and combined through
+reference points (a segment midpoint, a block or chunk boundary), so every
+exponent is a sum of gates that is <= 0 for gates <= 0 (strong gates cannot
+overflow) and no long running sums are subtracted (scan-level precision).
+Gradients are plain JAX autodiff; nothing per step is kept, and
+`jax.checkpoint` did not lower XLA's peak memory here, so it is not used.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class _Layout:
         """[B, T, H, D] -> [S, R, H, C, D]."""
         S, C = self.S, self.C
         if self.varlen:
-            x = jnp.concatenate([x[0], jnp.zeros_like(x[0, :1])])
+            x = jnp.concatenate([x[0], jnp.zeros((1, *x.shape[2:]), x.dtype)])
             x = jnp.take(x, self.idx, axis=0, mode="clip").reshape(S, C, 1, *x.shape[1:])
             return x.transpose(0, 2, 3, 1, 4)
         if self.reverse:
@@ -90,84 +91,113 @@ class _Layout:
         return jnp.flip(y, 1) if self.reverse else y
 
 
-def _decays(a, n):
-    """Log-decay sums of one side (keys or values) relative to reference points.
+def _local(a):
+    """In-block sums of log gates, a [Z, C, D] -> (alpha, beta, tau): alpha [Z,C,D]
+    from the 16-block's start through t, beta [Z,C,D] from after t to the block's
+    end (its own suffix scan, so nothing cancels), tau [Z, C/16, D] block totals."""
+    Z, C, D = a.shape
+    b = a.reshape(Z, C // SUB, SUB, D)
+    alpha = lax.cumsum(b, axis=2)
+    suffix = lax.cumsum(b, axis=2, reverse=True)
+    beta = jnp.concatenate([suffix[:, :, 1:], jnp.zeros_like(suffix[:, :, :1])], 2)
+    return alpha.reshape(Z, C, D), beta.reshape(Z, C, D), alpha[:, :, -1]
 
-    a [..., C, D] (D = K, V, or 1 for a scalar per head), C = n * SUB. Returns
-    in_blk [..., n, SUB, D]: sum over (block start, t]; to_end [..., n, SUB, D]:
-    sum over (t, block end]; pre/post [..., n, D]: whole blocks before/after;
-    mid [..., n, n, D]: blocks strictly between i and j < i (-inf where j >= i);
-    total [..., D]. All are sums of the gates themselves, never differences of
-    long running sums, so nothing cancels and every term is <= 0 for gates <= 0.
+
+def _spans(alpha, beta, tau, w):
+    """Log decay from the start of t's aligned w-segment through t (into), and from
+    after t to that segment's end (out), both [Z, C, D], w a multiple of 16:
+    in-block sums plus whole 16-blocks, all terms <= 0 for gates <= 0."""
+    Z, C, D = alpha.shape
+    nb = w // SUB
+    t = tau.reshape(Z, C // w, nb, D)
+    zero = jnp.zeros_like(t[:, :, :1])
+    before = lax.cumsum(jnp.concatenate([zero, t[:, :, :-1]], 2), axis=2)
+    after = lax.cumsum(jnp.concatenate([t[:, :, 1:], zero], 2), axis=2, reverse=True)
+    blk = lambda x: x.reshape(Z, C // SUB, 1, D)
+    into = alpha.reshape(Z, C // SUB, SUB, D) + blk(before)
+    out = beta.reshape(Z, C // SUB, SUB, D) + blk(after)
+    return into.reshape(Z, C, D), out.reshape(Z, C, D)
+
+
+def _level(alpha, beta, tau, h):
+    """Exponents for the cross block of every 2h-segment at half-width h: the right
+    half from its start through t [Z, C/2h, h, D] and the left half from after s
+    to its end [Z, C/2h, h, D], referenced at the midpoint, so both are <= 0."""
+    Z, C, D = alpha.shape
+    seg = lambda x: x.reshape(Z, C // (2 * h), 2, h, D)
+    if h < SUB:  # inside one 16-block: differences of its short in-block sums
+        al = seg(alpha)
+        mid = al[:, :, 0, -1:]
+        return al[:, :, 1] - mid, mid - al[:, :, 0]
+    into, out = _spans(alpha, beta, tau, h)
+    return seg(into)[:, :, 1], seg(out)[:, :, 0]
+
+
+def _scalar_intra(q, k, v, alpha, beta, tau):
+    """_intra for one decay per head and step (alpha, beta [Z,C,1], tau [Z,C/16,1]):
+    the whole [C, C] weight matrix is cheap, so P = (q k^T) * W in one matmul. Log
+    weights: alpha_t - alpha_s inside a 16-block, else alpha_t + (whole blocks
+    between) + beta_s, each a sum of gates, never a long running-sum difference."""
+    Z, C, _ = q.shape
+    nb = C // SUB
+    tot = [tau[:, i, 0] for i in range(nb)]
+    mid = [[None] * nb for _ in range(nb)]  # mid[i][j]: blocks strictly between j < i
+    for i in range(nb):
+        for j in range(i - 1, -1, -1):
+            mid[i][j] = jnp.zeros_like(tot[0]) if j == i - 1 else mid[i][j + 1] + tot[j + 1]
+            mid[j][i] = jnp.zeros_like(tot[0])  # upper blocks: masked below
+        mid[i][i] = jnp.zeros_like(tot[0])
+    mid = jnp.stack([jnp.stack(r, -1) for r in mid], -2)  # [Z, nb, nb]
+    mid = jnp.repeat(jnp.repeat(mid, SUB, 1), SUB, 2)
+    blk = np.arange(C) // SUB
+    same = blk[:, None] == blk[None, :]
+    al, be = alpha[:, :, 0], beta[:, :, 0]
+    logw = jnp.where(same, al[:, :, None] - al[:, None, :], al[:, :, None] + mid + be[:, None, :])
+    causal = np.tril(np.ones((C, C), bool))
+    w = jnp.exp(jnp.where(causal, logw, -jnp.inf))
+    return (jnp.einsum("ztk,zsk->zts", q, k) * w) @ v
+
+
+def _intra(q, k, v, a, b):
+    """Causal in-chunk output sum_{s<=t} (sum_d q_td k_sd e^{A_td-A_sd}) v_s e^{B_t-B_s}.
+
+    q, k [Z,C,K], v [Z,C,V], a [Z,C,K or 1], b [Z,C,V] or None. A binary tree
+    over the chunk: the block of each 2h-segment's right half against its left
+    half factors through the segment midpoint (exponents <= 0 on both sides), so
+    no pairwise exponentials are needed; blocks of h >= 4 are batched matmuls.
     """
-    a = a.reshape(*a.shape[:-2], n, SUB, a.shape[-1])
-    in_blk = jnp.cumsum(a, axis=-2)
-    suffix = jnp.flip(jnp.cumsum(jnp.flip(a, -2), axis=-2), -2)
-    to_end = jnp.concatenate([suffix[..., 1:, :], jnp.zeros_like(suffix[..., :1, :])], -2)
-    tot = [in_blk[..., i, -1, :] for i in range(n)]
-    zero, ninf = jnp.zeros_like(tot[0]), jnp.full_like(tot[0], -jnp.inf)
-    pre, post = [zero], [zero]
-    for i in range(1, n):
-        pre.append(pre[-1] + tot[i - 1])
-        post.insert(0, post[0] + tot[n - i])
-    mid = [[ninf] * n for _ in range(n)]
-    for i in range(1, n):
-        mid[i][i - 1] = zero
-        for j in range(i - 2, -1, -1):
-            mid[i][j] = mid[i][j + 1] + tot[j + 1]
-    mid = jnp.stack([jnp.stack(r, -2) for r in mid], -3)
-    return in_blk, to_end, jnp.stack(pre, -2), jnp.stack(post, -2), mid, pre[-1] + tot[-1]
-
-
-def _pairwise(x, y, cum):
-    """Diagonal-block weights: sum_d x[t,d] y[s,d] exp(cum[t,d] - cum[s,d]) for s <= t.
-
-    x, y [..., SUB, Dx], cum [..., SUB, D] with D == Dx or 1 -> [..., SUB, SUB]."""
-    causal = np.tril(np.ones((SUB, SUB), bool))[..., None]
-    w = jnp.exp(jnp.where(causal, cum[..., :, None, :] - cum[..., None, :, :], -jnp.inf))
-    if cum.shape[-1] == 1:
-        return jnp.einsum("...td,...sd->...ts", x, y) * w[..., 0]
-    return jnp.einsum("...td,...sd,...tsd->...ts", x, y, w)
-
-
-def _chunk_terms(q, k, v, a, b):
-    """Everything one chunk contributes, batched over leading dims.
-
-    q, k [..., C, K], v [..., C, V] (q already scaled); a [..., C, K or 1] and
-    b [..., C, V] or None: log decays. Returns the intra-chunk output
-    [..., C, V], q_in [..., C, K] and out_v [..., C, V] (o_inter =
-    (q_in @ S_in) * out_v), the chunk update U [..., K, V] and the chunk's
-    total decays dA [..., K or 1], dB [..., V] or None.
-    """
-    C = q.shape[-2]
-    n = C // SUB
-    blk = lambda x: x.reshape(*x.shape[:-2], n, SUB, x.shape[-1])
-    q, k, v = blk(q), blk(k), blk(v)
-    eye = jnp.asarray(np.eye(n)[:, None, :, None])  # diagonal-block selector [i, t, j, s]
-
-    a_in, a_end, a_pre, a_post, a_mid, a_tot = _decays(a, n)
-    qh, kh = q * jnp.exp(a_in), k * jnp.exp(a_end)  # referred to block start / block end
-    # row block i sees column block j < i through the key decay of the blocks between
-    k_i = kh[..., None, :, :, :] * jnp.exp(a_mid)[..., None, :]
-    p_off = jnp.einsum("...itk,...ijsk->...itjs", qh, k_i)
-    p_diag = _pairwise(q, k, a_in)  # [..., n, t, s]
-    q_in = (qh * jnp.exp(a_pre)[..., None, :]).reshape(*q.shape[:-3], C, -1)
-    k_up = kh * jnp.exp(a_post)[..., None, :]
+    Z, C, K = q.shape
+    ka, va = _local(a), None if b is None else _local(b)
+    if a.shape[-1] == 1 and b is None:
+        return _scalar_intra(q, k, v, *ka), ka, va
+    diag = jnp.einsum("ztk,ztk->zt", q, k)
     if b is None:
-        p = (p_off + p_diag[..., :, :, None, :] * eye).reshape(*p_off.shape[:-4], C, C)
-        o = p @ v.reshape(*v.shape[:-3], C, -1)
-        u = jnp.einsum("...jsk,...jsv->...kv", k_up, v)
-        return o, q_in, None, u, jnp.exp(a_tot), None
-    b_in, b_end, b_pre, b_post, b_mid, b_tot = _decays(b, n)
-    vh = v * jnp.exp(b_end)
-    v_i = vh[..., None, :, :, :] * jnp.exp(b_mid)[..., None, :]
-    o = jnp.einsum("...itjs,...ijsv->...itv", p_off, v_i) * jnp.exp(b_in)
-    causal = np.tril(np.ones((SUB, SUB), bool))[..., None]
-    w = jnp.exp(jnp.where(causal, b_in[..., :, None, :] - b_in[..., None, :, :], -jnp.inf))
-    o = o + jnp.einsum("...ts,...sv,...tsv->...tv", p_diag, v, w)
-    out_v = jnp.exp(b_in + b_pre[..., None, :]).reshape(*v.shape[:-3], C, -1)
-    u = jnp.einsum("...jsk,...jsv->...kv", k_up, vh * jnp.exp(b_post)[..., None, :])
-    return o.reshape(out_v.shape), q_in, out_v, u, jnp.exp(a_tot), jnp.exp(b_tot)
+        p = diag[:, :, None, None]  # assembled lower-triangular blocks [Z, C/2h, 2h, 2h]
+    else:
+        o = diag[..., None] * v
+    h = 1
+    while h < C:
+        n = C // (2 * h)
+        seg = lambda x: x.reshape(Z, n, 2, h, x.shape[-1])
+        eq, ek = _level(*ka, h)
+        qf, kf = seg(q)[:, :, 1] * jnp.exp(eq), seg(k)[:, :, 0] * jnp.exp(ek)
+        if h >= 4:
+            cross = jnp.einsum("znik,znjk->znij", qf, kf)
+        else:  # too small for a matmul
+            cross = jnp.sum(qf[:, :, :, None, :] * kf[:, :, None, :, :], -1)
+        if b is None:
+            ch = p.reshape(Z, n, 2, h, h)
+            p = jnp.concatenate([jnp.concatenate([ch[:, :, 0], jnp.zeros_like(cross)], -1),
+                                 jnp.concatenate([cross, ch[:, :, 1]], -1)], -2)
+        else:
+            fq, fk = _level(*va, h)
+            vf = seg(v)[:, :, 0] * jnp.exp(fk)
+            c = jnp.einsum("znij,znjv->zniv", cross, vf) * jnp.exp(fq)
+            o = o + jnp.stack([jnp.zeros_like(c), c], 2).reshape(o.shape)
+        h *= 2
+    if b is None:
+        o = p.reshape(Z, C, C) @ v
+    return o, ka, va
 
 
 def recurrent_xla(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial_state=None,
@@ -180,8 +210,8 @@ def recurrent_xla(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial
     may be traced). Returns o [B,T,H,V] in q's dtype and final_state
     [N,H,K,V] float32 (float64 for float64 inputs).
     """
-    if chunk_size % SUB:
-        raise ValueError(f"chunk_size: expected a multiple of {SUB}, got {chunk_size}")
+    if chunk_size < SUB or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size: expected a power of two >= {SUB}, got {chunk_size}")
     ct = jnp.float64 if plan.dtype == "float64" else jnp.float32  # accumulation dtype
     H, K, V, N, G = plan.H, plan.K, plan.V, plan.N, plan.group
     lay = _Layout(plan, cu_seqlens, chunk_size)
@@ -205,25 +235,49 @@ def recurrent_xla(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial
     b = lay.chunks(f(gv)) if plan.gv else None
     h0 = f(initial_state) if plan.initial_state else jnp.zeros((N, H, K, V), ct)
 
-    o, q_in, out_v, u, dA, dB = jax.checkpoint(_chunk_terms)(q, k, v, a, b)
+    flat = lambda x: None if x is None else x.reshape(-1, chunk_size, x.shape[-1])
+    o, dA, dB, u, q_in, out_v = _chunk_terms(*map(flat, (q, k, v, a, b)))
+
+    RH = lay.R * H
+    step_in = lambda x: None if x is None else x.reshape(lay.S, RH, *x.shape[1:])
 
     def step(s, xs):
         first, seq, dA, dB, u = xs
         if plan.varlen:  # a sequence's first chunk starts from its own initial state
             s = jnp.where(first[:, None, None, None], h0[seq], s)
-        s_out = s * dA[..., None] + u if dB is None else s * dA[..., None] * dB[..., None, :] + u
-        return s_out, s
+        s = s.reshape(RH, K, V)
+        s_out = s * dA[..., None] if dB is None else s * dA[..., None] * dB[..., None, :]
+        return (s_out + u).reshape(lay.R, H, K, V), s
 
-    _, s_in = lax.scan(step, h0[lay.seq[0]], (lay.first, lay.seq, dA, dB, u))
-    o_inter = q_in @ s_in
+    _, s_in = lax.scan(step, h0[lay.seq[0]], (lay.first, lay.seq, step_in(dA), step_in(dB),
+                                                step_in(u)))
+    o_inter = jnp.einsum("zck,zkv->zcv", q_in, s_in.reshape(-1, K, V))
     o = o + (o_inter if out_v is None else o_inter * out_v)
-    o = lay.tokens(o).astype(plan.dtype)
+    o = lay.tokens(o.reshape(lay.S, lay.R, H, chunk_size, V)).astype(plan.dtype)
 
-    sl, row = lay.last
-    fin = s_in[sl, row] * dA[sl, row][..., None]
+    # final state = the state after each sequence's last chunk
+    z = (lay.last[0] * lay.R + lay.last[1])[:, None] * H + jnp.arange(H)  # [N, H]
+    fin = s_in.reshape(-1, K, V)[z] * dA[z][..., None]
     if dB is not None:
-        fin = fin * dB[sl, row][..., None, :]
-    fin = fin + u[sl, row]
+        fin = fin * dB[z][..., None, :]
+    fin = fin + u[z]
     if lay.empty is not None:
         fin = jnp.where(lay.empty[:, None, None, None], h0, fin)
     return o, fin
+
+
+def _chunk_terms(q, k, v, a, b):
+    """All per-chunk work, batched over Z = chunks x heads: the in-chunk output
+    [Z,C,V], the chunk's total decays dA [Z,K or 1], dB [Z,V] or None, its state
+    update U [Z,K,V], and q_in [Z,C,K], out_v [Z,C,V] or None for the output
+    from the incoming state S: (q_in @ S) * out_v."""
+    C = q.shape[1]
+    o, ka, va = _intra(q, k, v, a, b)
+    into, out = _spans(*ka, C)
+    q_in, k_up, dA = q * jnp.exp(into), k * jnp.exp(out), jnp.exp(jnp.sum(ka[2], 1))
+    out_v = dB = None
+    if b is not None:
+        into, out = _spans(*va, C)
+        out_v, v, dB = jnp.exp(into), v * jnp.exp(out), jnp.exp(jnp.sum(va[2], 1))
+    u = jnp.einsum("zck,zcv->zkv", k_up, v)
+    return o, dA, dB, u, q_in, out_v

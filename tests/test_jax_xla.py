@@ -1,0 +1,264 @@
+"""The chunked XLA path (jax_side/xla.py) against the float64 NumPy oracle:
+outputs, final states and every gradient, per SPEC feature and combined, under
+jit (traced cu_seqlens / g_gamma, one compile per total length), vmap, checkpoint
+and float64 finite differences."""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import jax.numpy as jnp  # noqa: E402
+
+from bridge.contract import check  # noqa: E402
+from jax_side.xla import recurrent_xla  # noqa: E402
+from parity.oracle import recurrent, recurrent_grads  # noqa: E402
+
+NAMES = ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state")
+FP32_TOL = 1e-5  # relative norm; a step-by-step float32 scan lands around 1e-7..1e-6
+
+
+def make(seed=0, B=2, T=40, H=2, Hk=None, K=8, V=8, g=None, gk=False, gv=False, gamma=None,
+         h0=False, seqlens=None, strength=1.0):
+    """Random inputs (float32 numpy) for one case; gates are log-sigmoids <= 0."""
+    rng = np.random.default_rng(seed)
+    Hk = Hk or H
+    if seqlens is not None:
+        B, T = 1, sum(seqlens)
+    N = B if seqlens is None else len(seqlens)
+    f32 = lambda *s: rng.standard_normal(s).astype(np.float32)
+    gate = lambda *s: (strength * -np.logaddexp(0, -(rng.standard_normal(s) + 1.5))).astype(np.float32)
+    x = dict(q=f32(B, T, H, K), k=f32(B, T, Hk, K), v=f32(B, T, Hk, V))
+    if g == "head":
+        x["g"] = gate(B, T, H)
+    elif g == "key":
+        x["g"] = gate(B, T, H, K)
+    if gk:
+        x["gk"] = gate(B, T, H, K)
+    if gv:
+        x["gv"] = gate(B, T, H, V)
+    if gamma == "head":
+        x["g_gamma"] = (-strength * rng.uniform(0.01, 1.0, H)).astype(np.float32)
+    elif gamma == "seq":
+        x["g_gamma"] = (-strength * rng.uniform(0.01, 1.0, (N, H))).astype(np.float32)
+    if h0:
+        x["initial_state"] = f32(N, H, K, V)
+    cu = None if seqlens is None else np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32)
+    cot = dict(do=f32(B, T, H, V), dfinal_state=f32(N, H, K, V))
+    return x, cu, cot
+
+
+def xla_run(x, cu=None, reverse=False, dtype=jnp.float32, chunk_size=64, cot=None, jit=True):
+    """(o, final_state, grads) from the XLA path; activations cast to `dtype`."""
+    names = [n for n in NAMES if n in x]
+    arrs = [jnp.asarray(x[n], dtype if n in ("q", "k", "v") else None) for n in names]
+    cu_j = None if cu is None else jnp.asarray(cu)
+    plan = check(*arrs[:3], **dict(zip(names[3:], arrs[3:])), reverse=reverse,
+                 cu_seqlens=None if cu is None else np.asarray(cu))
+
+    def f(*a):
+        return recurrent_xla(plan, *a[:3], **dict(zip(names[3:], a[3:])), cu_seqlens=cu_j,
+                             chunk_size=chunk_size)
+
+    if cot is None:
+        o, fs = (jax.jit(f) if jit else f)(*arrs)
+        return o, fs, None
+
+    def loss(*a):
+        o, fs = f(*a)
+        return (jnp.sum(o.astype(jnp.float32) * cot["do"])
+                + jnp.sum(fs * cot["dfinal_state"])), (o, fs)
+
+    vg = jax.value_and_grad(loss, range(len(arrs)), has_aux=True)
+    (_, (o, fs)), grads = (jax.jit(vg) if jit else vg)(*arrs)
+    return o, fs, dict(zip(names, grads))
+
+
+def oracle_run(x, cu=None, reverse=False, cot=None, round_to=None):
+    """Oracle outputs and gradients on the same (possibly bf16-rounded) values."""
+    x = dict(x)
+    if round_to is not None:
+        for n in ("q", "k", "v"):
+            x[n] = np.asarray(jnp.asarray(x[n], round_to).astype(jnp.float32))
+    o, fs = recurrent(**x, reverse=reverse, cu_seqlens=cu)
+    grads = None if cot is None else recurrent_grads(**x, reverse=reverse, cu_seqlens=cu, **cot)
+    return o, fs, grads
+
+
+def rel(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+
+
+def assert_matches(x, cu=None, reverse=False, tol=FP32_TOL, chunk_size=64, dtype=jnp.float32,
+                   round_to=None):
+    _, _, cot = make(**SHAPE_OF(x, cu))
+    o, fs, grads = xla_run(x, cu, reverse, dtype=dtype, chunk_size=chunk_size, cot=cot)
+    wo, wfs, wgrads = oracle_run(x, cu, reverse, cot, round_to)
+    assert o.dtype == dtype and fs.dtype == jnp.float32
+    assert np.isfinite(np.asarray(o, np.float32)).all() and np.isfinite(fs).all()
+    errs = {"o": rel(o, wo), "final_state": rel(fs, wfs)}
+    for n, gr in grads.items():
+        assert gr.shape == np.shape(x[n]) and gr.dtype == (dtype if n in "qkv" else jnp.float32)
+        assert np.isfinite(np.asarray(gr, np.float32)).all(), n
+        errs["d" + n] = rel(gr, wgrads[n])
+    assert max(errs.values()) <= tol, errs
+    return errs
+
+
+def SHAPE_OF(x, cu):
+    """make() arguments that reproduce x's shapes (for the cotangents)."""
+    B, T, H, K = x["q"].shape
+    kw = dict(seed=99, B=B, T=T, H=H, Hk=x["k"].shape[2], K=K, V=x["v"].shape[-1])
+    if cu is not None:
+        kw["seqlens"] = tuple(np.diff(cu))
+    return kw
+
+
+FEATURES = {  # name: (make() arguments, reverse)
+    "plain": (dict(), False),
+    "g-head": (dict(g="head"), False),
+    "g-key": (dict(g="key"), False),
+    "gk": (dict(gk=True), False),
+    "gv": (dict(gv=True), False),
+    "gamma-head": (dict(gamma="head"), False),
+    "initial-state": (dict(h0=True), False),
+    "reverse": (dict(g="key", h0=True), True),
+    "gqa": (dict(H=4, Hk=2, g="key", h0=True), False),
+    "k-ne-v-odd": (dict(K=7, V=5, g="key", gv=True, h0=True), True),
+    "t-not-multiple": (dict(T=75, g="head", gk=True), False),
+    "all-gates-rev": (dict(T=70, g="key", gk=True, gv=True, gamma="head", h0=True), True),
+}
+
+
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_feature_matches_oracle(name):
+    kw, reverse = FEATURES[name]
+    x, cu, _ = make(**kw)
+    assert_matches(x, cu, reverse, chunk_size=32)
+
+
+VARLEN = (33, 0, 5, 16, 1, 40)  # ends mid-chunk, empty, shorter than a sub-chunk, exact
+
+
+@pytest.mark.parametrize("kw, reverse", [
+    (dict(g="key", h0=True), False),
+    (dict(H=4, Hk=1, g="head", gk=True, gv=True, gamma="seq", h0=True), False),
+    (dict(H=4, Hk=1, g="head", gk=True, gv=True, gamma="seq", h0=True), True),
+    (dict(gamma="head", K=5, V=9), True),
+], ids=["g-key", "everything", "everything-rev", "gamma-head-odd-rev"])
+def test_varlen_matches_oracle(kw, reverse):
+    x, cu, _ = make(seqlens=VARLEN, **kw)
+    assert_matches(x, cu, reverse, chunk_size=16)
+
+
+def test_default_chunk_multi_chunk():
+    """The default 64-token chunks, several per sequence, with a partial last one."""
+    x, _, _ = make(B=1, T=150, H=2, K=16, V=16, g="key", gv=True, gamma="head", h0=True)
+    assert_matches(x)
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
+def test_strong_gates_finite_and_match(reverse):
+    """Log decays around -50 a step (cumulative sums far below float32's exp range)."""
+    x, cu, _ = make(seqlens=(40, 7, 0, 29), g="key", gk=True, gv=True, gamma="seq", h0=True,
+                    strength=40.0)
+    x["g"][0, 10:30] = -80.0  # a run of extreme decays next to mild ones
+    # gate gradients of such decays are sums of many cancelling terms: a little looser
+    assert_matches(x, cu, reverse, chunk_size=32, tol=3e-5)
+
+
+def test_bf16_inputs():
+    """bf16 q/k/v (gates and state fp32): o comes back bf16, accumulation is fp32."""
+    x, cu, _ = make(seqlens=(50, 3, 27), H=4, Hk=2, g="key", gv=True, gamma="head", h0=True)
+    errs = assert_matches(x, cu, dtype=jnp.bfloat16, round_to=jnp.bfloat16, tol=1.5e-2,
+                          chunk_size=32)
+    assert errs["final_state"] < 1e-5  # fp32 accumulation of bf16-exact inputs
+
+
+def test_jit_traced_cu_seqlens_and_gamma_one_compile():
+    """cu_seqlens and g_gamma traced: two packings of the same total share one trace."""
+    x, _, _ = make(seqlens=(20, 30, 14), g="key", gamma="seq", h0=True)
+    traces = []
+
+    def f(q, k, v, g, g_gamma, h0, cu):
+        traces.append(1)
+        plan = check(q, k, v, g=g, g_gamma=g_gamma, initial_state=h0, cu_seqlens=cu)
+        return recurrent_xla(plan, q, k, v, g=g, g_gamma=g_gamma, initial_state=h0,
+                             cu_seqlens=cu, chunk_size=16)
+
+    jf = jax.jit(f)
+    args = [x[n] for n in ("q", "k", "v", "g", "g_gamma", "initial_state")]
+    for seqlens in ((20, 30, 14), (0, 61, 3)):
+        cu = np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32)
+        o, fs = jf(*args, jnp.asarray(cu))
+        wo, wfs = recurrent(**x, cu_seqlens=cu)
+        assert rel(o, wo) < FP32_TOL and rel(fs, wfs) < FP32_TOL
+    assert len(traces) == 1
+    assert jf._cache_size() == 1
+
+
+def test_vmap_equals_loop():
+    x, cu, _ = make(seqlens=(9, 0, 23), g="key", gv=True, gamma="seq", h0=True)
+    x2, _, _ = make(seed=1, seqlens=(9, 0, 23), g="key", gv=True, gamma="seq", h0=True)
+    names = list(x)
+    plan = check(*(x[n] for n in ("q", "k", "v")), g=x["g"], gv=x["gv"],
+                 g_gamma=x["g_gamma"], initial_state=x["initial_state"], cu_seqlens=cu)
+
+    def f(q, k, v, g, gv, g_gamma, initial_state, cu):
+        return recurrent_xla(plan, q, k, v, g=g, gv=gv, g_gamma=g_gamma,
+                             initial_state=initial_state, cu_seqlens=cu, chunk_size=16)
+
+    stacked = [jnp.stack([x[n], x2[n]]) for n in names]
+    cus = jnp.stack([jnp.asarray(cu), jnp.asarray([0, 20, 20, 32], jnp.int32)])
+    o, fs = jax.jit(jax.vmap(f))(*stacked, cus)
+    for i, xi in enumerate((x, x2)):
+        wo, wfs = recurrent(**xi, cu_seqlens=np.asarray(cus[i]))
+        assert rel(o[i], wo) < FP32_TOL and rel(fs[i], wfs) < FP32_TOL
+
+
+def test_checkpointed_grad_matches_oracle():
+    x, cu, cot = make(seqlens=(21, 11), g="head", gk=True, h0=True)
+    plan = check(x["q"], x["k"], x["v"], g=x["g"], gk=x["gk"], initial_state=x["initial_state"],
+                 cu_seqlens=cu)
+
+    @jax.checkpoint
+    def loss(q, k, v, g, gk, h0):
+        o, fs = recurrent_xla(plan, q, k, v, g=g, gk=gk, initial_state=h0,
+                              cu_seqlens=jnp.asarray(cu), chunk_size=16)
+        return jnp.sum(o * cot["do"]) + jnp.sum(fs * cot["dfinal_state"])
+
+    names = ("q", "k", "v", "g", "gk", "initial_state")
+    grads = jax.jit(jax.grad(loss, range(6)))(*(x[n] for n in names))
+    want = recurrent_grads(**x, cu_seqlens=cu, **cot)
+    for n, gr in zip(names, grads):
+        assert rel(gr, want[n]) < FP32_TOL, n
+
+
+@pytest.fixture
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def test_check_grads_float64(x64):
+    """Finite differences in float64 through every floating input, forward and
+    reverse mode, on a reversed varlen batch with an empty sequence."""
+    from jax.test_util import check_grads
+
+    x, cu, _ = make(seqlens=(5, 0, 19), H=2, Hk=1, K=3, V=2, g="head", gk=True, gv=True,
+                    gamma="seq", h0=True)
+    names = list(x)
+    args = [jnp.asarray(x[n], jnp.float64) for n in names]
+    plan = check(*args[:3], **dict(zip(names[3:], args[3:])), reverse=True, cu_seqlens=cu)
+
+    def f(*a):
+        return recurrent_xla(plan, *a[:3], **dict(zip(names[3:], a[3:])),
+                             cu_seqlens=jnp.asarray(cu), chunk_size=16)
+
+    o, fs = jax.jit(f)(*args)
+    assert o.dtype == jnp.float64 and fs.dtype == jnp.float64
+    wo, wfs = recurrent(**x, reverse=True, cu_seqlens=cu)
+    assert rel(o, wo) < 1e-12 and rel(fs, wfs) < 1e-12
+    check_grads(jax.jit(f), args, order=1, modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
