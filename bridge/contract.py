@@ -228,6 +228,32 @@ def _check_scale(softmax_scale, K) -> float:
     return scale
 
 
+MODES = ("auto", "chunk", "fused_recurrent")
+
+
+def route(platform, mode, platforms, native: str, gpu: bool, native_built: bool) -> str:
+    """Validate `platform` and `mode` and resolve "auto": the Triton kernels on a
+    GPU (or when mode="fused_recurrent" asks for them, or no native path is
+    built), else the framework's `native` chunked path."""
+    if platform not in platforms:
+        raise ValueError(f"platform: expected one of {platforms}, got {platform!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    if platform == "auto":
+        triton = gpu or mode == "fused_recurrent" or not native_built
+        platform = "triton" if triton else native
+    if platform == "pallas":
+        raise NotImplementedError("platform='pallas' (the TPU path) is not available yet; "
+                                  "use platform='xla'")
+    if platform == native and mode == "fused_recurrent":
+        raise ValueError(f"mode: 'fused_recurrent' is a Triton kernel; platform='{native}' "
+                         f"computes the chunked form (use mode='auto' or 'chunk')")
+    if platform == "triton" and mode == "chunk":
+        raise NotImplementedError(f"mode='chunk' (the chunked Triton kernels) is not available "
+                                  f"yet; use mode='fused_recurrent' or platform='{native}'")
+    return platform
+
+
 def check_lightning(H: int, layer_idx, num_layers) -> None:
     """Validate the Lightning attention layer position."""
     for name, x in (("layer_idx", layer_idx), ("num_layers", num_layers)):

@@ -16,28 +16,8 @@ import jax.numpy as jnp
 from bridge import contract, variants
 
 PLATFORMS = ("auto", "triton", "xla", "pallas")
-MODES = ("auto", "chunk", "fused_recurrent")
 
 
-def _pick_platform(platform, mode):
-    if platform not in PLATFORMS:
-        raise ValueError(f"platform: expected one of {PLATFORMS}, got {platform!r}")
-    if mode not in MODES:
-        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-    if platform == "auto":
-        native = importlib.util.find_spec("jax_side.xla") is not None
-        gpu = jax.default_backend() == "gpu"
-        platform = "triton" if gpu or mode == "fused_recurrent" or not native else "xla"
-    if platform == "pallas":
-        raise NotImplementedError("platform='pallas' (the TPU path) is not available yet; "
-                                  "use platform='xla'")
-    if platform == "xla" and mode == "fused_recurrent":
-        raise ValueError("mode: 'fused_recurrent' is a Triton kernel; platform='xla' computes "
-                         "the chunked form (use mode='auto' or 'chunk')")
-    if platform == "triton" and mode == "chunk":
-        raise NotImplementedError("mode='chunk' (the chunked Triton kernels) is not available "
-                                  "yet; use mode='fused_recurrent' or platform='xla'")
-    return platform
 
 
 def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
@@ -45,7 +25,9 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
               mode="auto"):
     plan = contract.check(q, k, v, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse,
                           cu_seqlens)
-    platform = _pick_platform(platform, mode)
+    built = importlib.util.find_spec("jax_side.xla") is not None
+    platform = contract.route(platform, mode, PLATFORMS, "xla",
+                              gpu=jax.default_backend() == "gpu", native_built=built)
 
     def batched(x):
         if x is None:

@@ -182,3 +182,26 @@ def test_lightning_g_gamma_is_the_spec_formula():
         # the formula as torch reads it: a Python float times a float32 arange
         want = (-(8 / H * (1 - layer / layers)) * torch.arange(H, dtype=torch.float32)).numpy()
         assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("platform,mode,gpu,built,want", [
+    ("auto", "auto", False, True, "xla"), ("auto", "chunk", False, True, "xla"),
+    ("auto", "auto", True, True, "triton"), ("auto", "fused_recurrent", False, True, "triton"),
+    ("auto", "auto", False, False, "triton"), ("triton", "fused_recurrent", False, True, "triton"),
+    ("xla", "chunk", True, True, "xla"),
+])
+def test_route_resolves_auto(platform, mode, gpu, built, want):
+    got = contract.route(platform, mode, ("auto", "triton", "xla", "pallas"), "xla", gpu=gpu,
+                         native_built=built)
+    assert got == want
+
+
+@pytest.mark.parametrize("platform,mode,exc,start", [
+    ("cuda", "auto", ValueError, "platform:"), ("auto", "fast", ValueError, "mode:"),
+    ("xla", "fused_recurrent", ValueError, "mode:"), ("pallas", "auto", NotImplementedError, ""),
+    ("triton", "chunk", NotImplementedError, ""),
+])
+def test_route_errors(platform, mode, exc, start):
+    with pytest.raises(exc, match="^" + start):
+        contract.route(platform, mode, ("auto", "triton", "xla", "pallas"), "xla", gpu=False,
+                       native_built=True)

@@ -15,25 +15,8 @@ from bridge import contract, variants
 from . import triton_launch
 
 PLATFORMS = ("auto", "triton", "torch")
-MODES = ("auto", "chunk", "fused_recurrent")
 
 
-def _pick_platform(platform, mode, q):
-    if platform not in PLATFORMS:
-        raise ValueError(f"platform: expected one of {PLATFORMS}, got {platform!r}")
-    if mode not in MODES:
-        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-    if platform == "auto":
-        native = importlib.util.find_spec("torch_side.native") is not None
-        triton = q.device.type == "cuda" or mode == "fused_recurrent" or not native
-        platform = "triton" if triton else "torch"
-    if platform == "torch" and mode == "fused_recurrent":
-        raise ValueError("mode: 'fused_recurrent' is a Triton kernel; platform='torch' computes "
-                         "the chunked form (use mode='auto' or 'chunk')")
-    if platform == "triton" and mode == "chunk":
-        raise NotImplementedError("mode='chunk' (the chunked Triton kernels) is not available "
-                                  "yet; use mode='fused_recurrent' or platform='torch'")
-    return platform
 
 
 def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
@@ -41,7 +24,9 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
               mode="auto"):
     plan = contract.check(q, k, v, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse,
                           cu_seqlens)
-    platform = _pick_platform(platform, mode, q)
+    built = importlib.util.find_spec("torch_side.native") is not None
+    platform = contract.route(platform, mode, PLATFORMS, "torch",
+                              gpu=q.device.type == "cuda", native_built=built)
 
     def batched(x):
         if x is None:
