@@ -231,17 +231,16 @@ def _check_scale(softmax_scale, K) -> float:
 MODES = ("auto", "chunk", "fused_recurrent")
 
 
-def route(platform, mode, platforms, native: str, gpu: bool, native_built: bool) -> str:
+def route(platform, mode, platforms, native: str, gpu: bool) -> str:
     """Validate `platform` and `mode` and resolve "auto": the Triton kernels on a
-    GPU (or when mode="fused_recurrent" asks for them, or no native path is
-    built), else the framework's `native` chunked path."""
+    GPU (or when mode="fused_recurrent" asks for them), else the framework's
+    `native` chunked path."""
     if platform not in platforms:
         raise ValueError(f"platform: expected one of {platforms}, got {platform!r}")
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     if platform == "auto":
-        triton = gpu or mode == "fused_recurrent" or not native_built
-        platform = "triton" if triton else native
+        platform = "triton" if gpu or mode == "fused_recurrent" else native
     if platform == "pallas":
         raise NotImplementedError("platform='pallas' (the TPU path) is not available yet; "
                                   "use platform='xla'")
@@ -269,4 +268,5 @@ def check_lightning(H: int, layer_idx, num_layers) -> None:
 def lightning_g_gamma(H: int, layer_idx: int, num_layers: int) -> np.ndarray:
     """SPEC.md's Lightning decay, float32 [H]: -(8/H * (1 - layer_idx/num_layers)) * arange(H),
     the product taken in float32 as the formula reads (torch and NumPy both do so)."""
-    return np.float32(-(8.0 / H * (1.0 - layer_idx / num_layers))) * np.arange(H, dtype=np.float32)
+    coef = np.float32(-(8.0 / H * (1.0 - layer_idx / num_layers)))
+    return coef * np.arange(H, dtype=np.float32)

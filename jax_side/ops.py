@@ -8,8 +8,6 @@ Only Python values (scale, reverse, platform, mode) are static: `cu_seqlens`
 and `g_gamma` may be traced.
 """
 
-import importlib.util
-
 import jax
 import jax.numpy as jnp
 
@@ -18,16 +16,13 @@ from bridge import contract, variants
 PLATFORMS = ("auto", "triton", "xla", "pallas")
 
 
-
-
 def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
               initial_state=None, reverse=False, cu_seqlens=None, *, platform="auto",
               mode="auto"):
     plan = contract.check(q, k, v, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse,
                           cu_seqlens)
-    built = importlib.util.find_spec("jax_side.xla") is not None
-    platform = contract.route(platform, mode, PLATFORMS, "xla",
-                              gpu=jax.default_backend() == "gpu", native_built=built)
+    gpu = jax.default_backend() == "gpu"
+    platform = contract.route(platform, mode, PLATFORMS, "xla", gpu=gpu)
 
     def batched(x):
         if x is None:

@@ -184,16 +184,14 @@ def test_lightning_g_gamma_is_the_spec_formula():
         assert got.dtype == np.float32 and np.array_equal(got, want)
 
 
-@pytest.mark.parametrize("platform,mode,gpu,built,want", [
-    ("auto", "auto", False, True, "xla"), ("auto", "chunk", False, True, "xla"),
-    ("auto", "auto", True, True, "triton"), ("auto", "fused_recurrent", False, True, "triton"),
-    ("auto", "auto", False, False, "triton"), ("triton", "fused_recurrent", False, True, "triton"),
-    ("xla", "chunk", True, True, "xla"),
+@pytest.mark.parametrize("platform,mode,gpu,want", [
+    ("auto", "auto", False, "xla"), ("auto", "chunk", False, "xla"),
+    ("auto", "auto", True, "triton"), ("auto", "fused_recurrent", False, "triton"),
+    ("triton", "fused_recurrent", False, "triton"), ("xla", "chunk", True, "xla"),
 ])
-def test_route_resolves_auto(platform, mode, gpu, built, want):
-    got = contract.route(platform, mode, ("auto", "triton", "xla", "pallas"), "xla", gpu=gpu,
-                         native_built=built)
-    assert got == want
+def test_route_resolves_auto(platform, mode, gpu, want):
+    assert contract.route(platform, mode, ("auto", "triton", "xla", "pallas"), "xla",
+                          gpu=gpu) == want
 
 
 @pytest.mark.parametrize("platform,mode,exc,start", [
@@ -203,5 +201,4 @@ def test_route_resolves_auto(platform, mode, gpu, built, want):
 ])
 def test_route_errors(platform, mode, exc, start):
     with pytest.raises(exc, match="^" + start):
-        contract.route(platform, mode, ("auto", "triton", "xla", "pallas"), "xla", gpu=False,
-                       native_built=True)
+        contract.route(platform, mode, ("auto", "triton", "xla", "pallas"), "xla", gpu=False)

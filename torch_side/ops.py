@@ -7,8 +7,6 @@ means the interpreted Triton kernel). `mode`: "fused_recurrent", "chunk" or
 "auto" (Triton kernels only: the fused recurrent kernel until the chunked ones land).
 """
 
-import importlib.util
-
 import torch
 
 from bridge import contract, variants
@@ -17,16 +15,12 @@ from . import triton_launch
 PLATFORMS = ("auto", "triton", "torch")
 
 
-
-
 def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
               initial_state=None, reverse=False, cu_seqlens=None, *, platform="auto",
               mode="auto"):
     plan = contract.check(q, k, v, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse,
                           cu_seqlens)
-    built = importlib.util.find_spec("torch_side.native") is not None
-    platform = contract.route(platform, mode, PLATFORMS, "torch",
-                              gpu=q.device.type == "cuda", native_built=built)
+    platform = contract.route(platform, mode, PLATFORMS, "torch", gpu=q.device.type == "cuda")
 
     def batched(x):
         if x is None:
