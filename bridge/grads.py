@@ -7,6 +7,8 @@ both pass through. Buffers (batched layout): dq, dk_h, dv_h per query head
 """
 
 
+# The differentiable inputs of SPEC.md, in the order the launchers take them.
+INPUTS = ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state")
 BUFFERS = ("dq", "dk_h", "dv_h", "da", "dg_head", "db", "dgamma", "d_initial_state")
 
 

@@ -21,7 +21,7 @@ try:  # jax-triton imports only with a GPU jaxlib
 except Exception:  # ImportError, or AttributeError from a mismatched jaxlib
     jt = None
 
-ARGS = ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state")
+ARGS = grads.INPUTS
 
 
 def _spec(out, env):

@@ -11,9 +11,10 @@ import importlib.util
 
 import numpy as np
 
+from bridge.grads import INPUTS as GRAD_NAMES
+
 from . import cases
 
-GRAD_NAMES = ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state")
 ACTIVATIONS = ("q", "k", "v", "do")  # given in the tested dtype; gates and states stay fp32
 
 

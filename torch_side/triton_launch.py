@@ -12,7 +12,7 @@ from bridge.kernels import INTERPRETED
 from bridge.kernels import fused_recurrent
 from bridge.torch_runner import run
 
-ARGS = ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state")
+ARGS = grads.INPUTS
 
 
 def _check_device(q):
