@@ -247,10 +247,20 @@ def route(platform, mode, platforms, native: str, gpu: bool) -> str:
     if platform == native and mode == "fused_recurrent":
         raise ValueError(f"mode: 'fused_recurrent' is a Triton kernel; platform='{native}' "
                          f"computes the chunked form (use mode='auto' or 'chunk')")
-    if platform == "triton" and mode == "chunk":
-        raise NotImplementedError(f"mode='chunk' (the chunked Triton kernels) is not available "
-                                  f"yet; use mode='fused_recurrent' or platform='{native}'")
     return platform
+
+
+# mode="auto" with the Triton kernels: the fused recurrent kernel up to this many
+# time steps (decoding, short prompts), the chunked kernels beyond. fla makes the
+# same split; the GPU crossover is not measured yet (no GPU lent), see README.
+FUSED_MAX_T = 64
+
+
+def kernel_mode(mode: str, plan: Plan) -> str:
+    """Resolve the Triton kernel family: "chunk" or "fused_recurrent"."""
+    if mode != "auto":
+        return mode
+    return "fused_recurrent" if plan.T <= FUSED_MAX_T else "chunk"
 
 
 def check_lightning(H: int, layer_idx, num_layers) -> None:

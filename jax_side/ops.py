@@ -39,10 +39,10 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
         o, final_state = recurrent_xla(plan, q, k, v, g=g, gk=gk, gv=gv, g_gamma=g_gamma,
                                        initial_state=initial_state, cu_seqlens=cu_seqlens)
     else:
-        from .triton_launch import fused_recurrent_call
+        from .triton_launch import triton_kernels
 
-        o, final_state = fused_recurrent_call(plan, cu_seqlens, q, k, v, g, gk, gv, g_gamma,
-                                              initial_state)
+        o, final_state = triton_kernels(plan, contract.kernel_mode(mode, plan), cu_seqlens,
+                                        q, k, v, g, gk, gv, g_gamma, initial_state)
     return (o[0] if plan.packed else o), final_state
 
 

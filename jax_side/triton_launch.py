@@ -1,11 +1,14 @@
 """The `bridge` Triton kernels launched from JAX, behind a `jax.custom_vjp`.
 
-On CUDA, each launch is a `jax_triton.triton_call`; on CPU the same launch list
-runs in Triton's interpreter through `jax.pure_callback`, the arrays passed
-zero-copy into torch CPU tensors by DLPack (`bridge.torch_runner`).
-`jax.lax.platform_dependent` picks, so one jitted function serves both.
+On CUDA, each launch is a `jax_triton.triton_call` (the 0.3 and 0.4 APIs); on
+CPU the same launch list runs in Triton's interpreter through
+`jax.pure_callback`, the arrays passed zero-copy into torch CPU tensors by
+DLPack (`bridge.torch_runner`).
+`jax.lax.platform_dependent` picks, so one jitted function serves both. Under
+`jax.vmap` the mapped axis folds into the batch: one launch for all elements.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -13,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bridge import grads
-from bridge.kernels import fused_recurrent
+from bridge.kernels import family
 from bridge.launch import resolve_dtype
 
 try:  # jax-triton imports only with a GPU jaxlib
@@ -28,19 +31,28 @@ def _spec(out, env):
     return jax.ShapeDtypeStruct(out.shape, jnp.dtype(resolve_dtype(out.dtype, env)))
 
 
+def _jt_api():
+    """jax-triton's API generation: (0, 3) or (0, 4)."""
+    return tuple(int(x) for x in jt.__version__.split(".")[:2])
+
+
 def _run_gpu(launches, env, want):
     env = dict(env)
     dummy = env["q"]
+    new_api = _jt_api() >= (0, 4)
     for launch in launches:
         args = [dummy if n is None else env[n] for n in launch.inputs]
-        # jax-triton types a Python float as fp64; Triton's own launcher (the
-        # torch side) as fp32. Match it, so both frameworks run one variant.
-        scalars = [np.float32(s) if isinstance(s, float) else s for s in launch.scalars]
+        # Triton's own launcher (the torch side) types a Python float as fp32.
+        # jax-triton 0.3 types it as fp64 (so pass np.float32); 0.4 as fp32 and
+        # deprecates np.float32. Either way both frameworks run one variant.
+        scalars = [np.float32(s) if isinstance(s, float) and not new_api else s
+                   for s in launch.scalars]
         shapes = [jax.ShapeDtypeStruct((1,), jnp.float32) if o is None else _spec(o, env)
                   for o in launch.outputs]
-        outs = jt.triton_call(*args, *scalars, kernel=launch.kernel, out_shape=shapes,
-                              grid=launch.grid, num_warps=launch.num_warps,
-                              num_stages=launch.num_stages, **launch.constexprs)
+        out_kw = {"out_type" if new_api else "out_shape": shapes}
+        outs = jt.triton_call(*args, *scalars, kernel=launch.kernel, grid=launch.grid,
+                              num_warps=launch.num_warps, num_stages=launch.num_stages,
+                              **out_kw, **launch.constexprs)
         for o, x in zip(launch.outputs, outs):
             if o is not None:
                 env[o.name] = x
@@ -85,30 +97,118 @@ def run(launches, env, want):
     return jax.lax.platform_dependent(env, cpu=cpu, cuda=gpu)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def fused_recurrent_call(plan, cu_seqlens, q, k, v, g, gk, gv, g_gamma, initial_state):
-    """(o [B,T,H,V] in q's dtype, final_state [N,H,K,V] fp32); batched layout,
-    absent inputs None. Differentiable in every floating input."""
-    return _forward(plan, cu_seqlens, q, k, v, g, gk, gv, g_gamma, initial_state)[0]
+def _execute(plan, mode, stage, env):
+    """Run one stage ("fwd" or "bwd") of the kernels on a dict of arrays (absent
+    inputs left out). fwd -> {o, final_state}; bwd -> {input name: gradient}."""
+    env = {n: env.get(n) for n in (*ARGS, "cu_seqlens", "final_state", "do", "dfinal_state")}
+    kernels = family(mode)
+    if stage == "fwd":
+        return run(kernels.forward_launches(plan), env, ("o", "final_state"))
+    launches = kernels.backward_launches(plan, use_dht=True)
+    made = {o.name for launch in launches for o in launch.outputs if o}
+    got = grads.assemble(plan, run(launches, env, [n for n in grads.BUFFERS if n in made]))
+    return {n: got[n].astype(env[n].dtype) for n in ARGS if env[n] is not None}
 
 
-def _forward(plan, cu_seqlens, *inputs):
-    env = dict(zip(ARGS, inputs), cu_seqlens=cu_seqlens)
-    out = run(fused_recurrent.forward_launches(plan), env, ("o", "final_state"))
+@functools.lru_cache(maxsize=None)
+def _batchable(plan, mode, stage):
+    """`_execute` with a vmap rule: the mapped axis folds into the batch (or, packed,
+    into the token axis with shifted cu_seqlens), so one launch serves every mapped
+    element. jax-triton has no batching rule of its own; on CPU it also replaces
+    the callback's one-element-at-a-time vmap."""
+
+    @jax.custom_batching.custom_vmap
+    def execute(env):
+        return _execute(plan, mode, stage, env)
+
+    @execute.def_vmap
+    def rule(axis_size, in_batched, env):
+        folded_plan, folded = fold(plan, axis_size, in_batched[0], env)
+        out = _batchable(folded_plan, mode, stage)(folded)
+        return unfold(plan, axis_size, out), {n: True for n in out}
+
+    return execute
+
+
+TOKENS = ("q", "k", "v", "g", "gk", "gv", "do")  # [B, T, H, *]
+PER_SEQUENCE = ("initial_state", "final_state", "dfinal_state")  # [N, H, K, V]
+
+
+def fold(plan, n, batched, env):
+    """(plan, env) for the n mapped problems as one: [n, B, ...] -> [n*B, ...]
+    (packed: [n, 1, T, ...] -> [1, n*T, ...], cu_seqlens shifted and joined);
+    g_gamma always in its per-sequence [N, H] form."""
+    def mapped(name):
+        x = env[name]
+        return x if batched[name] else jnp.broadcast_to(x, (n, *x.shape))
+
+    out = {}
+    for name in env:
+        if name in TOKENS:
+            x = mapped(name)
+            out[name] = (x.reshape(1, n * plan.T, *x.shape[3:]) if plan.varlen
+                         else x.reshape(n * plan.B, *x.shape[2:]))
+        elif name in PER_SEQUENCE:
+            x = mapped(name)
+            out[name] = x.reshape(n * plan.N, *x.shape[2:])
+    if "g_gamma" in env:
+        x = mapped("g_gamma")
+        if plan.g_gamma == "head":
+            x = jnp.broadcast_to(x[:, None], (n, plan.N, plan.H))
+        out["g_gamma"] = x.reshape(n * plan.N, plan.H)
+    if plan.varlen:
+        cu = mapped("cu_seqlens")
+        starts = cu[:, :-1] + (jnp.arange(n, dtype=cu.dtype) * plan.T)[:, None]
+        out["cu_seqlens"] = jnp.concatenate([starts.reshape(-1),
+                                             jnp.full((1,), n * plan.T, cu.dtype)])
+        folded = dataclasses.replace(plan, T=n * plan.T, N=n * plan.N)
+    else:
+        folded = dataclasses.replace(plan, B=n * plan.B, N=n * plan.N)
+    if plan.g_gamma != "none":
+        folded = dataclasses.replace(folded, g_gamma="seq")
+    return folded, out
+
+
+def unfold(plan, n, out):
+    """Split results of the folded problem back along the mapped axis."""
+    res = {}
+    for name, x in out.items():
+        if name in ("o", *TOKENS):
+            res[name] = (x.reshape(n, 1, plan.T, *x.shape[2:]) if plan.varlen
+                         else x.reshape(n, plan.B, *x.shape[1:]))
+        elif name == "g_gamma":
+            x = x.reshape(n, plan.N, plan.H)
+            res[name] = x.sum(1) if plan.g_gamma == "head" else x
+        else:
+            res[name] = x.reshape(n, plan.N, *x.shape[1:])
+    return res
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def triton_kernels(plan, mode, cu_seqlens, q, k, v, g, gk, gv, g_gamma, initial_state):
+    """The kernels of `mode` ("chunk" or "fused_recurrent"): (o [B,T,H,V] in q's
+    dtype, final_state [N,H,K,V] fp32); batched layout, absent inputs None.
+    Differentiable in every floating input."""
+    return _forward(plan, mode, cu_seqlens, q, k, v, g, gk, gv, g_gamma, initial_state)[0]
+
+
+def _present(**arrays):
+    return {n: x for n, x in arrays.items() if x is not None}
+
+
+def _forward(plan, mode, cu_seqlens, *inputs):
+    env = _present(cu_seqlens=cu_seqlens, **dict(zip(ARGS, inputs)))
+    out = _batchable(plan, mode, "fwd")(env)
     return (out["o"], out["final_state"]), (cu_seqlens, inputs, out["final_state"])
 
 
-def _backward(plan, residuals, cotangents):
+def _backward(plan, mode, residuals, cotangents):
     cu_seqlens, inputs, final_state = residuals
     do, dfinal_state = cotangents
-    env = dict(zip(ARGS, inputs), cu_seqlens=cu_seqlens, final_state=final_state,
-               do=do, dfinal_state=dfinal_state)
-    launches = fused_recurrent.backward_launches(plan, use_dht=True)
-    made = {o.name for launch in launches for o in launch.outputs if o}
-    want = [n for n in grads.BUFFERS if n in made]
-    got = grads.assemble(plan, run(launches, env, want))
-    return (None, *(None if x is None else got[n].astype(x.dtype)
-                    for n, x in zip(ARGS, inputs)))
+    env = _present(cu_seqlens=cu_seqlens, final_state=final_state, do=do,
+                   dfinal_state=dfinal_state, **dict(zip(ARGS, inputs)))
+    got = _batchable(plan, mode, "bwd")(env)
+    return (None, *(got.get(n) for n in ARGS))
 
 
-fused_recurrent_call.defvjp(_forward, _backward)
+triton_kernels.defvjp(_forward, _backward)

@@ -197,8 +197,18 @@ def test_route_resolves_auto(platform, mode, gpu, want):
 @pytest.mark.parametrize("platform,mode,exc,start", [
     ("cuda", "auto", ValueError, "platform:"), ("auto", "fast", ValueError, "mode:"),
     ("xla", "fused_recurrent", ValueError, "mode:"), ("pallas", "auto", NotImplementedError, ""),
-    ("triton", "chunk", NotImplementedError, ""),
 ])
 def test_route_errors(platform, mode, exc, start):
     with pytest.raises(exc, match="^" + start):
         contract.route(platform, mode, ("auto", "triton", "xla", "pallas"), "xla", gpu=False)
+
+
+@pytest.mark.parametrize("mode,T,want", [
+    ("auto", 1, "fused_recurrent"), ("auto", contract.FUSED_MAX_T, "fused_recurrent"),
+    ("auto", contract.FUSED_MAX_T + 1, "chunk"), ("chunk", 1, "chunk"),
+    ("fused_recurrent", 4096, "fused_recurrent"),
+])
+def test_kernel_mode_splits_at_the_crossover(mode, T, want):
+    q = np.zeros((1, T, 2, 8), np.float32)
+    plan = contract.check(q, q, q, None, None, None, None, None, None, False, None)
+    assert contract.kernel_mode(mode, plan) == want

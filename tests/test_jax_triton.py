@@ -96,6 +96,65 @@ def test_vmap_over_a_leading_axis():
         assert np.array_equal(dq_v[i], per_example(*(b[n] for n in names)))
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["batched", "packed"])
+@pytest.mark.parametrize("gamma_mapped", [False, True], ids=["gamma-shared", "gamma-mapped"])
+def test_vmap_folds_into_one_launch(packed, gamma_mapped):
+    """The vmap rule folds the mapped axis into the batch (packed: into the
+    tokens, cu_seqlens shifted); values and every gradient equal the oracle's
+    per example, with g_gamma [H] shared or mapped and cu_seqlens mapped."""
+    case = cases.Case("fold", B=1 if packed else 2, H=2, Hk=1, g="key", g_gamma="head",
+                      initial_state=True, seqlens=(3, 6) if packed else None, packed=packed)
+    names = ("q", "k", "v", "g", "g_gamma", "initial_state")
+    batch = [cases.inputs(case, seed=s) for s in range(3)]
+    if packed:  # a different packing per mapped element, same total length
+        for b, cu in zip(batch, ([0, 3, 9], [0, 7, 9], [0, 0, 9])):
+            b["cu_seqlens"] = np.array(cu, np.int32)
+    if not gamma_mapped:
+        for b in batch:
+            b["g_gamma"] = batch[0]["g_gamma"]
+    stack = {n: np.stack([b[n] for b in batch]) for n in names}
+    cu = np.stack([b["cu_seqlens"] for b in batch]) if packed else None
+
+    def loss(q, k, v, g, g_gamma, h0, cu, do, dfs):
+        o, s = jax_side.recurrent(q, k, v, g=g, g_gamma=g_gamma, initial_state=h0,
+                                  cu_seqlens=cu, **KW)
+        return (o * do).sum() + (s * dfs).sum(), (o, s)
+
+    grad = jax.grad(loss, argnums=tuple(range(6)), has_aux=True)
+    axes = (0, 0, 0, 0, 0 if gamma_mapped else None, 0, 0 if packed else None, 0, 0)
+    args = [stack[n] for n in names]
+    if not gamma_mapped:
+        args[4] = batch[0]["g_gamma"]
+    do = np.stack([b["do"] for b in batch])
+    dfs = np.stack([b["dfinal_state"] for b in batch])
+    got, (o, s) = jax.jit(jax.vmap(grad, in_axes=axes))(*args, cu, do, dfs)
+    for i, b in enumerate(batch):
+        kw = dict(g=b["g"], g_gamma=b["g_gamma"], initial_state=b["initial_state"],
+                  cu_seqlens=b["cu_seqlens"] if packed else None)
+        want_o, want_s = oracle.recurrent(b["q"], b["k"], b["v"], **kw)
+        want = oracle.recurrent_grads(b["q"], b["k"], b["v"], do=b["do"],
+                                      dfinal_state=b["dfinal_state"], **kw)
+        assert rel_err(o[i], want_o) < 2e-5 and rel_err(s[i], want_s) < 2e-5
+        for name, d in zip(names, got):
+            assert rel_err(d[i], want[name]) < 2e-5, name
+
+
+def test_nested_vmap():
+    case = cases.Case("nested", B=1, H=1, Hk=1, g="head")
+    batch = [[cases.inputs(case, seed=3 * i + j) for j in range(2)] for i in range(2)]
+    names = ("q", "k", "v", "g")
+    stack = {n: np.stack([np.stack([b[n] for b in row]) for row in batch]) for n in names}
+
+    def f(q, k, v, g):
+        return jax_side.recurrent(q, k, v, g=g, **KW)[0]
+
+    o = jax.jit(jax.vmap(jax.vmap(f)))(*(stack[n] for n in names))
+    for i, row in enumerate(batch):
+        for j, b in enumerate(row):
+            want, _ = oracle.recurrent(b["q"], b["k"], b["v"], g=b["g"])
+            assert rel_err(o[i, j], want) < 2e-5
+
+
 def test_checkpoint():
     case = cases.Case("remat", H=1, Hk=1, g="key")
     a = cases.inputs(case, seed=4)
@@ -125,3 +184,48 @@ def test_same_errors_as_torch():
         jax_side.recurrent(q, k[:, :, :1], v[:, :, :1], platform="pallas")
     with pytest.raises(ValueError, match="^platform:"):
         jax_side.recurrent(q, k[:, :, :1], v[:, :, :1], platform="cuda")
+
+
+@pytest.mark.parametrize("version", ["0.3.1", "0.4.0"])
+def test_gpu_launch_speaks_both_jax_triton_apis(monkeypatch, version):
+    """No GPU here: a stand-in for jax_triton records what the CUDA branch would
+    pass. Floats must reach the kernel as fp32 under both APIs (0.3 types a
+    Python float as fp64, 0.4 as fp32 and deprecates np.float32), and the output
+    spec keyword changed name (out_shape -> out_type)."""
+    from bridge.kernels import fused_recurrent
+    from jax_side import triton_launch
+
+    calls = []
+
+    class FakeJT:
+        __version__ = version
+
+        @staticmethod
+        def triton_call(*args, kernel, grid, num_warps, num_stages, **kw):
+            spec_key = "out_type" if version.startswith("0.4") else "out_shape"
+            specs = kw.pop(spec_key)
+            calls.append((args, kernel, grid, kw))
+            return [jnp.zeros(s.shape, s.dtype) for s in specs]
+
+    monkeypatch.setattr(triton_launch, "jt", FakeJT)
+    case = cases.Case("gpu-api", H=2, Hk=1, g="head")
+    a = cases.inputs(case)
+    from bridge import contract
+
+    plan = contract.check(a["q"], a["k"], a["v"], a["g"], None, None, None, None, None,
+                          False, None)
+    env = {n: jnp.asarray(a[n]) for n in ("q", "k", "v", "g")}
+    launches = fused_recurrent.forward_launches(plan)
+    out = triton_launch._run_gpu(launches, env, ("o", "final_state"))
+    assert out["o"].shape == (plan.B, plan.T, plan.H, plan.V)
+    (args, kernel, grid, kw), = calls
+    launch = launches[0]
+    assert kernel is launch.kernel and grid == launch.grid
+    n_in = len(launch.inputs)
+    scalars = args[n_in:]
+    assert all(isinstance(x, jax.Array) for x in args[:n_in])
+    floats = [s for s in scalars if isinstance(s, (float, np.floating))]
+    assert floats, "the launch passes the scale as a float scalar"
+    want = float if version.startswith("0.4") else np.float32
+    assert all(type(s) is want for s in floats)
+    assert {k: kw[k] for k in launch.constexprs} == launch.constexprs

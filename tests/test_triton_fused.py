@@ -96,8 +96,6 @@ def test_errors_before_any_kernel():
         torch_side.recurrent(q, k, v, platform="tpu")
     with pytest.raises(ValueError, match="^mode:"):
         torch_side.recurrent(q, k, v, mode="fast")
-    with pytest.raises(NotImplementedError, match="mode='chunk'"):
-        torch_side.recurrent(q, k, v, platform="triton", mode="chunk")
     with pytest.raises(ValueError, match="^k: expected shape"):
         torch_side.recurrent(q, k[:, :3], v, platform="triton", mode="fused_recurrent")
 

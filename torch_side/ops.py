@@ -4,7 +4,8 @@
 CPU), "torch" (the chunked algorithm in plain torch ops), or "auto" (Triton on
 CUDA tensors, torch on CPU tensors, except that mode="fused_recurrent" on CPU
 means the interpreted Triton kernel). `mode`: "fused_recurrent", "chunk" or
-"auto" (Triton kernels only: the fused recurrent kernel until the chunked ones land).
+"auto" (Triton kernels only: fused recurrent up to `contract.FUSED_MAX_T` steps, chunked
+beyond; the torch platform is chunked).
 """
 
 import torch
@@ -36,7 +37,8 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
                                           gv=tokens[5], g_gamma=rest[0], initial_state=rest[1],
                                           cu_seqlens=cu_seqlens)
     else:
-        o, final_state = triton_launch.FusedRecurrent.apply(plan, cu_seqlens, *tokens, *rest)
+        o, final_state = triton_launch.TritonKernels.apply(
+            plan, contract.kernel_mode(mode, plan), cu_seqlens, *tokens, *rest)
     return (o[0] if plan.packed else o), final_state
 
 

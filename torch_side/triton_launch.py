@@ -9,7 +9,7 @@ import torch
 
 from bridge import grads
 from bridge.kernels import INTERPRETED
-from bridge.kernels import fused_recurrent
+from bridge.kernels import family
 from bridge.torch_runner import run
 
 ARGS = grads.INPUTS
@@ -25,16 +25,17 @@ def _check_device(q):
                          f"got device {q.device}")
 
 
-class FusedRecurrent(torch.autograd.Function):
-    """The fused recurrent kernels. Inputs in the batched layout, contiguous;
-    absent ones are None. Returns (o [B,T,H,V], final_state [N,H,K,V] fp32)."""
+class TritonKernels(torch.autograd.Function):
+    """The `bridge` kernels of `mode` ("chunk" or "fused_recurrent"). Inputs in the
+    batched layout, contiguous; absent ones are None.
+    Returns (o [B,T,H,V], final_state [N,H,K,V] fp32)."""
 
     @staticmethod
-    def forward(ctx, plan, cu_seqlens, q, k, v, g, gk, gv, g_gamma, initial_state):
+    def forward(ctx, plan, mode, cu_seqlens, q, k, v, g, gk, gv, g_gamma, initial_state):
         _check_device(q)
         env = dict(zip(ARGS, (q, k, v, g, gk, gv, g_gamma, initial_state)), cu_seqlens=cu_seqlens)
-        env = run(fused_recurrent.forward_launches(plan), env)
-        ctx.plan = plan
+        env = run(family(mode).forward_launches(plan), env)
+        ctx.plan, ctx.mode = plan, mode
         ctx.save_for_backward(cu_seqlens, q, k, v, g, gk, gv, g_gamma, initial_state,
                               env["final_state"])
         ctx.set_materialize_grads(False)
@@ -50,7 +51,8 @@ class FusedRecurrent(torch.autograd.Function):
         env = dict(zip(ARGS, inputs), cu_seqlens=cu_seqlens, final_state=final_state,
                    do=do.contiguous(),
                    dfinal_state=None if dfinal_state is None else dfinal_state.contiguous())
-        env = run(fused_recurrent.backward_launches(plan, use_dht=dfinal_state is not None), env)
+        kernels = family(ctx.mode)
+        env = run(kernels.backward_launches(plan, use_dht=dfinal_state is not None), env)
         got = grads.assemble(plan, env)
-        return (None, None, *(None if x is None else got[name].to(x.dtype)
-                              for name, x in zip(ARGS, inputs)))
+        return (None, None, None, *(None if x is None else got[name].to(x.dtype)
+                                    for name, x in zip(ARGS, inputs)))

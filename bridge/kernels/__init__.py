@@ -27,3 +27,15 @@ if "TRITON_INTERPRET" not in os.environ and not TRITON_PREIMPORTED and not _gpu_
     os.environ["TRITON_INTERPRET"] = "1"
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def family(mode: str):
+    """The kernel module for a resolved Triton `mode` ("chunk" or "fused_recurrent"):
+    it provides `forward_launches(plan)` and `backward_launches(plan, use_dht)`."""
+    if mode == "chunk":
+        from . import chunk
+
+        return chunk
+    from . import fused_recurrent
+
+    return fused_recurrent
