@@ -105,24 +105,41 @@ def _ptxas_usage(ptx: str, arch: int) -> dict:
                 spill_bytes=sum(int(x) for x in spills) if spills else None)
 
 
+def _stages(families, plan):
+    """(stage, launches) of each family's forward and backward lists for `plan`."""
+    for fam in families:
+        yield "fwd", fam.forward_launches(plan)
+        yield "bwd", fam.backward_launches(plan, use_dht=True)
+        yield "bwd-nodht", fam.backward_launches(plan, False)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--json")
+    ap.add_argument("--family", choices=("fused_recurrent", "chunk", "all"),
+                    default="fused_recurrent",
+                    help="which kernel family's launch lists to build")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("bridge.aot: run with TRITON_INTERPRET=0 (the interpreter has no compiler)")
     os.environ.setdefault("TRITON_INTERPRET", "0")
-    from .kernels import fused_recurrent
+    from .kernels import chunk, fused_recurrent
 
-    rows, failed = [], 0
+    families = {"fused_recurrent": [fused_recurrent], "chunk": [chunk],
+                "all": [fused_recurrent, chunk]}[args.family]
+    rows, failed, built = [], 0, set()
     for label, plan in _variants():
-        for stage, launches in (("fwd", fused_recurrent.forward_launches(plan)),
-                                ("bwd", fused_recurrent.backward_launches(plan, use_dht=True)),
-                                ("bwd-nodht", fused_recurrent.backward_launches(plan, False))):
+        for stage, launches in _stages(families, plan):
             if stage == "bwd-nodht" and label not in ("plain", "all-float32"):
                 continue
             for launch in launches:
+                # a kernel two families share (the combine pass) is built once per variant
+                key = (label, stage, launch.kernel.__name__,
+                       repr(sorted(launch.constexprs.items())))
+                if key in built:
+                    continue
+                built.add(key)
                 row = dict(variant=label, stage=stage, kernel=launch.kernel.__name__,
                            arch=args.arch)
                 t0 = time.time()

@@ -231,21 +231,19 @@ def _check_scale(softmax_scale, K) -> float:
 MODES = ("auto", "chunk", "fused_recurrent")
 
 
-def route(platform, mode, platforms, native: str, gpu: bool) -> str:
+def route(platform, mode, platforms, native: str, gpu: bool, tpu: bool = False) -> str:
     """Validate `platform` and `mode` and resolve "auto": the Triton kernels on a
-    GPU (or when mode="fused_recurrent" asks for them), else the framework's
-    `native` chunked path."""
+    GPU (or when mode="fused_recurrent" asks for them), Pallas on a TPU, else the
+    framework's `native` chunked path."""
     if platform not in platforms:
         raise ValueError(f"platform: expected one of {platforms}, got {platform!r}")
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     if platform == "auto":
-        platform = "triton" if gpu or mode == "fused_recurrent" else native
-    if platform == "pallas":
-        raise NotImplementedError("platform='pallas' (the TPU path) is not available yet; "
-                                  "use platform='xla'")
-    if platform == native and mode == "fused_recurrent":
-        raise ValueError(f"mode: 'fused_recurrent' is a Triton kernel; platform='{native}' "
+        platform = ("triton" if gpu or mode == "fused_recurrent"
+                    else "pallas" if tpu else native)
+    if platform in (native, "pallas") and mode == "fused_recurrent":
+        raise ValueError(f"mode: 'fused_recurrent' is a Triton kernel; platform='{platform}' "
                          f"computes the chunked form (use mode='auto' or 'chunk')")
     return platform
 

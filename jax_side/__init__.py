@@ -1,5 +1,7 @@
-"""JAX ops of gla-bridge: recurrent / gated linear attention (SPEC.md)."""
+"""JAX ops and layers of gla-bridge: recurrent / gated linear attention (SPEC.md)."""
 
+from .layers import gla_apply, init_gla, init_lightning, lightning_apply
 from .ops import gla_attention, lightning_attn, recurrent, recurrent_gla
 
-__all__ = ["recurrent", "recurrent_gla", "lightning_attn", "gla_attention"]
+__all__ = ["recurrent", "recurrent_gla", "lightning_attn", "gla_attention",
+           "init_gla", "gla_apply", "init_lightning", "lightning_apply"]

@@ -2,8 +2,8 @@
 
 `platform`: "triton" (the `bridge` kernels: jax-triton on CUDA, Triton's
 interpreter through a host callback on CPU), "xla" (the chunked algorithm in
-jax.numpy / lax), "pallas" (TPU; not built yet) or "auto" (Triton on GPU, XLA
-elsewhere). `mode` picks the Triton kernel family, as on the PyTorch side.
+jax.numpy / lax), "pallas" (chunked Pallas kernels for TPU; interpret mode on any
+other machine) or "auto" (Triton on GPU, Pallas on TPU, XLA elsewhere). `mode` picks the Triton kernel family, as on the PyTorch side.
 Only Python values (scale, reverse, platform, mode) are static: `cu_seqlens`
 and `g_gamma` may be traced.
 """
@@ -21,8 +21,9 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
               mode="auto"):
     plan = contract.check(q, k, v, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse,
                           cu_seqlens)
-    gpu = jax.default_backend() == "gpu"
-    platform = contract.route(platform, mode, PLATFORMS, "xla", gpu=gpu)
+    backend = jax.default_backend()
+    platform = contract.route(platform, mode, PLATFORMS, "xla", gpu=backend == "gpu",
+                              tpu=backend == "tpu")
 
     def batched(x):
         if x is None:
@@ -33,11 +34,13 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
     q, k, v, g, gk, gv = (batched(x) for x in (q, k, v, g, gk, gv))
     g_gamma, initial_state, cu_seqlens = (None if x is None else jnp.asarray(x)
                                           for x in (g_gamma, initial_state, cu_seqlens))
-    if platform == "xla":
-        from .xla import recurrent_xla
-
-        o, final_state = recurrent_xla(plan, q, k, v, g=g, gk=gk, gv=gv, g_gamma=g_gamma,
-                                       initial_state=initial_state, cu_seqlens=cu_seqlens)
+    if platform in ("xla", "pallas"):
+        if platform == "xla":
+            from .xla import recurrent_xla as chunked
+        else:
+            from .pallas import recurrent_pallas as chunked
+        o, final_state = chunked(plan, q, k, v, g=g, gk=gk, gv=gv, g_gamma=g_gamma,
+                                 initial_state=initial_state, cu_seqlens=cu_seqlens)
     else:
         from .triton_launch import triton_kernels
 

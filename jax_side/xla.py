@@ -8,18 +8,21 @@ chunks. Log decays are summed inside 16-token blocks and combined through
 reference points (a segment midpoint, a block or chunk boundary), so every
 exponent is a sum of gates that is <= 0 for gates <= 0 (strong gates cannot
 overflow) and no long running sums are subtracted (scan-level precision).
-Gradients are plain JAX autodiff; nothing per step is kept, and
-`jax.checkpoint` did not lower XLA's peak memory here, so it is not used.
+The in-chunk part for key-dim gates without gv (the GLA case), in float32,
+has a hand-written backward (xla_intra.py: about 1.5x faster than autodiff of
+the tree); everything else, and float64 (forward-mode checks), is JAX
+autodiff. Nothing per step is kept, and `jax.checkpoint` did not lower XLA's
+peak memory here, so it is not used.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-SUB = 16  # sub-chunk width: the span of in-block cumulative log-gate sums
+from .xla_decay import SUB, _level, _local, _rowdot, _spans
+from .xla_intra import key_intra, tree_p
 
 
 class _Layout:
@@ -91,48 +94,6 @@ class _Layout:
         return jnp.flip(y, 1) if self.reverse else y
 
 
-def _local(a):
-    """In-block sums of log gates, a [Z, C, D] -> (alpha, beta, tau): alpha [Z,C,D]
-    from the 16-block's start through t, beta [Z,C,D] from after t to the block's
-    end (its own suffix scan, so nothing cancels), tau [Z, C/16, D] block totals."""
-    Z, C, D = a.shape
-    b = a.reshape(Z, C // SUB, SUB, D)
-    alpha = lax.cumsum(b, axis=2)
-    suffix = lax.cumsum(b, axis=2, reverse=True)
-    beta = jnp.concatenate([suffix[:, :, 1:], jnp.zeros_like(suffix[:, :, :1])], 2)
-    return alpha.reshape(Z, C, D), beta.reshape(Z, C, D), alpha[:, :, -1]
-
-
-def _spans(alpha, beta, tau, w):
-    """Log decay from the start of t's aligned w-segment through t (into), and from
-    after t to that segment's end (out), both [Z, C, D], w a multiple of 16:
-    in-block sums plus whole 16-blocks, all terms <= 0 for gates <= 0."""
-    Z, C, D = alpha.shape
-    nb = w // SUB
-    t = tau.reshape(Z, C // w, nb, D)
-    zero = jnp.zeros_like(t[:, :, :1])
-    before = lax.cumsum(jnp.concatenate([zero, t[:, :, :-1]], 2), axis=2)
-    after = lax.cumsum(jnp.concatenate([t[:, :, 1:], zero], 2), axis=2, reverse=True)
-    blk = lambda x: x.reshape(Z, C // SUB, 1, D)
-    into = alpha.reshape(Z, C // SUB, SUB, D) + blk(before)
-    out = beta.reshape(Z, C // SUB, SUB, D) + blk(after)
-    return into.reshape(Z, C, D), out.reshape(Z, C, D)
-
-
-def _level(alpha, beta, tau, h):
-    """Exponents for the cross block of every 2h-segment at half-width h: the right
-    half from its start through t [Z, C/2h, h, D] and the left half from after s
-    to its end [Z, C/2h, h, D], referenced at the midpoint, so both are <= 0."""
-    Z, C, D = alpha.shape
-    seg = lambda x: x.reshape(Z, C // (2 * h), 2, h, D)
-    if h < SUB:  # inside one 16-block: differences of its short in-block sums
-        al = seg(alpha)
-        mid = al[:, :, 0, -1:]
-        return al[:, :, 1] - mid, mid - al[:, :, 0]
-    into, out = _spans(alpha, beta, tau, h)
-    return seg(into)[:, :, 1], seg(out)[:, :, 0]
-
-
 def _scalar_intra(q, k, v, alpha, beta, tau):
     """_intra for one decay per head and step (alpha, beta [Z,C,1], tau [Z,C/16,1]):
     the whole [C, C] weight matrix is cheap, so P = (q k^T) * W in one matmul. Log
@@ -170,11 +131,13 @@ def _intra(q, k, v, a, b):
     ka, va = _local(a), None if b is None else _local(b)
     if a.shape[-1] == 1 and b is None:
         return _scalar_intra(q, k, v, *ka), ka, va
-    diag = jnp.einsum("ztk,ztk->zt", q, k)
     if b is None:
-        p = diag[:, :, None, None]  # assembled lower-triangular blocks [Z, C/2h, 2h, 2h]
-    else:
-        o = diag[..., None] * v
+        # float32: the hand-written backward (no forward mode); float64 (the
+        # finite-difference checks) differentiates the same tree with autodiff
+        if q.dtype == jnp.float32:
+            return key_intra(q, k, v, a), ka, va
+        return tree_p(q, k, ka) @ v, ka, va
+    o = _rowdot(q, k)[..., None] * v
     h = 1
     while h < C:
         n = C // (2 * h)
@@ -184,19 +147,12 @@ def _intra(q, k, v, a, b):
         if h >= 4:
             cross = jnp.einsum("znik,znjk->znij", qf, kf)
         else:  # too small for a matmul
-            cross = jnp.sum(qf[:, :, :, None, :] * kf[:, :, None, :, :], -1)
-        if b is None:
-            ch = p.reshape(Z, n, 2, h, h)
-            p = jnp.concatenate([jnp.concatenate([ch[:, :, 0], jnp.zeros_like(cross)], -1),
-                                 jnp.concatenate([cross, ch[:, :, 1]], -1)], -2)
-        else:
-            fq, fk = _level(*va, h)
-            vf = seg(v)[:, :, 0] * jnp.exp(fk)
-            c = jnp.einsum("znij,znjv->zniv", cross, vf) * jnp.exp(fq)
-            o = o + jnp.stack([jnp.zeros_like(c), c], 2).reshape(o.shape)
+            cross = _rowdot(qf[:, :, :, None, :], kf[:, :, None, :, :])
+        fq, fk = _level(*va, h)
+        vf = seg(v)[:, :, 0] * jnp.exp(fk)
+        c = jnp.einsum("znij,znjv->zniv", cross, vf) * jnp.exp(fq)
+        o = o + jnp.stack([jnp.zeros_like(c), c], 2).reshape(o.shape)
         h *= 2
-    if b is None:
-        o = p.reshape(Z, C, C) @ v
     return o, ka, va
 
 

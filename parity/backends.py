@@ -183,16 +183,6 @@ class JaxBackend(Backend):
         return {k: np.asarray(v.astype(jnp.float32)) for k, v in out.items()}
 
 
-class Missing(Backend):
-    """A backend that belongs in the matrix but does not exist yet."""
-
-    def __init__(self, name, framework, reason):
-        self.name, self.framework, self.reason = name, framework, reason
-
-    def unavailable(self):
-        return self.reason
-
-
 def all_backends():
     """Every backend of the project, available or not (the oracle first)."""
     return [
@@ -201,5 +191,7 @@ def all_backends():
         TorchBackend("torch"),
         JaxBackend("xla"),
         JaxBackend("triton", "fused_recurrent"),
-        Missing("jax-pallas", "jax", "the Pallas TPU path is not built yet"),
+        TorchBackend("triton", "chunk"),
+        JaxBackend("triton", "chunk"),
+        JaxBackend("pallas"),
     ]

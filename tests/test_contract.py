@@ -188,15 +188,23 @@ def test_lightning_g_gamma_is_the_spec_formula():
     ("auto", "auto", False, "xla"), ("auto", "chunk", False, "xla"),
     ("auto", "auto", True, "triton"), ("auto", "fused_recurrent", False, "triton"),
     ("triton", "fused_recurrent", False, "triton"), ("xla", "chunk", True, "xla"),
+    ("pallas", "auto", False, "pallas"),
 ])
 def test_route_resolves_auto(platform, mode, gpu, want):
     assert contract.route(platform, mode, ("auto", "triton", "xla", "pallas"), "xla",
                           gpu=gpu) == want
 
 
+def test_route_picks_pallas_on_tpu():
+    platforms = ("auto", "triton", "xla", "pallas")
+    assert contract.route("auto", "auto", platforms, "xla", gpu=False, tpu=True) == "pallas"
+    assert contract.route("auto", "chunk", platforms, "xla", gpu=False, tpu=False) == "xla"
+
+
 @pytest.mark.parametrize("platform,mode,exc,start", [
     ("cuda", "auto", ValueError, "platform:"), ("auto", "fast", ValueError, "mode:"),
-    ("xla", "fused_recurrent", ValueError, "mode:"), ("pallas", "auto", NotImplementedError, ""),
+    ("xla", "fused_recurrent", ValueError, "mode:"),
+    ("pallas", "fused_recurrent", ValueError, "mode:"),
 ])
 def test_route_errors(platform, mode, exc, start):
     with pytest.raises(exc, match="^" + start):

@@ -180,8 +180,9 @@ def test_same_errors_as_torch():
             fw.recurrent(conv(q), conv(k), conv(v), **KW)
         messages.append(str(info.value))
     assert messages[0] == messages[1] and messages[0].startswith("k:")
-    with pytest.raises(NotImplementedError, match="pallas"):
-        jax_side.recurrent(q, k[:, :, :1], v[:, :, :1], platform="pallas")
+    with pytest.raises(ValueError, match="^mode: 'fused_recurrent' is a Triton kernel"):
+        jax_side.recurrent(q, k[:, :, :1], v[:, :, :1], platform="pallas",
+                           mode="fused_recurrent")
     with pytest.raises(ValueError, match="^platform:"):
         jax_side.recurrent(q, k[:, :, :1], v[:, :, :1], platform="cuda")
 

@@ -1,5 +1,7 @@
-"""PyTorch ops of gla-bridge: recurrent / gated linear attention (SPEC.md)."""
+"""PyTorch ops and layers of gla-bridge: recurrent / gated linear attention (SPEC.md)."""
 
+from .layers import GatedLinearAttention, LightningAttention
 from .ops import gla_attention, lightning_attn, recurrent, recurrent_gla
 
-__all__ = ["recurrent", "recurrent_gla", "lightning_attn", "gla_attention"]
+__all__ = ["recurrent", "recurrent_gla", "lightning_attn", "gla_attention",
+           "GatedLinearAttention", "LightningAttention"]

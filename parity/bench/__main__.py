@@ -1,0 +1,198 @@
+"""`python -m parity.bench [--quick] [--shapes B,H,K,V ...] [--T ...] [--impl ...] [--out DIR]`
+
+Verifies every implementation against the oracle, times them side by side
+over T, and writes BENCHMARKS.md, DIR/results.json and DIR/*.png.
+The allocator settings must be in the environment before the process starts,
+so the script re-executes itself with them when they are missing.
+"""
+
+import argparse
+import datetime
+import importlib.metadata
+import os
+import sys
+
+from . import timing
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_OUT = os.path.join(ROOT, "parity", "bench", "results")
+SHAPES = [(2, 8, 64, 64), (1, 4, 128, 128)]
+TS = [512, 1024, 2048, 4096, 8192]
+QUICK_SHAPES = [(1, 2, 16, 16)]
+QUICK_TS = [96]  # the check size: the JAX paths reuse the check's compilation
+VERSIONS = ("torch", "jax", "jaxlib", "triton", "ejkernel", "fla-core", "numpy")
+
+
+def _shape(text):
+    try:
+        dims = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        dims = ()
+    if len(dims) != 4 or min(dims) <= 0:
+        raise argparse.ArgumentTypeError(f"--shapes takes B,H,K,V (4 positive ints), got {text!r}")
+    return dims
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m parity.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes, seconds (for the tests)")
+    p.add_argument("--shapes", type=_shape, nargs="+", help="B,H,K,V ... (default: 2,8,64,64 1,4,128,128)")
+    p.add_argument("--T", type=int, nargs="+", help="sequence lengths (default 512..8192)")
+    p.add_argument("--impl", nargs="+", help="implementation names to run (default: all)")
+    p.add_argument("--out", default=DEFAULT_OUT, help="folder for results.json and the plots")
+    p.add_argument("--md", help="markdown path (default: BENCHMARKS.md at the repository root "
+                                "for the default --out, else OUT/BENCHMARKS.md)")
+    p.add_argument("--budget", type=float, default=None, help="seconds per call before 'over budget'")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--group-json", help=argparse.SUPPRESS)  # internal: one framework's child run
+    p.add_argument("--render", metavar="JSON", help="measure nothing: rewrite the markdown and "
+                                                     "plots from an earlier run's results.json")
+    a = p.parse_args(argv)
+    if a.T is not None and min(a.T) <= 0:
+        p.error(f"--T must be positive, got {a.T}")
+    if a.budget is not None and a.budget <= 0:
+        p.error(f"--budget must be positive, got {a.budget}")
+    return a
+
+
+def _reexec_with_malloc_env(argv):
+    """glibc reads these once at start-up: set them and restart this process."""
+    if all(os.environ.get(k) == v for k, v in timing.MALLOC_ENV.items()):
+        return
+    env = dict(os.environ, **timing.MALLOC_ENV)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "parity.bench", *argv], env)
+
+
+def machine_info(threads) -> dict:
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    versions = {}
+    for name in VERSIONS:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+            "cpu": cpu, "cores": os.cpu_count(), "threads": threads, "versions": versions}
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
+    if args.render:
+        return render(args)
+    _reexec_with_malloc_env(argv)
+
+    import torch
+
+    from . import anchors, gpu, report, runner
+
+    torch.set_num_threads(args.threads)
+    shapes = args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
+    Ts = args.T or (QUICK_TS if args.quick else TS)
+    impls = anchors.cpu_impls()
+    if args.impl:
+        known = {i.name for i in impls}
+        bad = [n for n in args.impl if n not in known]
+        if bad:
+            raise SystemExit(f"--impl: unknown {bad}; known: {sorted(known)}")
+        impls = [i for i in impls if i.name in args.impl]
+    settings = runner.Settings(budget_s=args.budget or (5.0 if args.quick else runner.Settings().budget_s))
+    if args.quick:
+        settings.rep_budget_s, settings.min_repeats, settings.repeats = 0.2, 1, 3
+        settings.warm_calls = 2
+
+    if args.group_json:  # a child: measure this framework's implementations, hand back JSON
+        checks = runner.check_all(impls, settings.log)
+        records = runner.sweep(impls, shapes, Ts, settings, checks)
+        report.write_json(args.group_json, records, {}, checks)
+        return
+
+    machine = machine_info(args.threads)
+    machine["matmul_n"] = 512 if args.quick else 2048
+    machine["matmul_gflops"] = timing.matmul_gflops(machine["matmul_n"])
+    machine["copy_gbps"] = timing.copy_gbps(16 * 2 ** 20 if args.quick else 256 * 2 ** 20)
+    machine["budget_s"] = settings.budget_s
+    machine["command"] = "python -m parity.bench " + " ".join(argv)
+
+    records, checks = _run_groups(args, impls, settings.log)
+
+    gpu_section = gpu.section(quick=args.quick, log=settings.log)
+    os.makedirs(args.out, exist_ok=True)
+    json_path = os.path.join(args.out, "results.json")
+    report.write_json(json_path, records, machine, checks, gpu_section)
+    _write_outputs(args, records, impls, machine, checks, gpu_section, json_path, settings.log)
+
+
+def _run_groups(args, impls, log):
+    """Each framework's implementations in a child process of their own: they are
+    compared with each other (alternating, one process), never across frameworks,
+    and a process that has run XLA measured torch up to 2x slower here."""
+    import json
+    import subprocess
+    import tempfile
+
+    keep = ["--threads", str(args.threads)] + (["--quick"] if args.quick else [])
+    if args.shapes:
+        keep += ["--shapes", *(",".join(map(str, sh)) for sh in args.shapes)]
+    if args.T:
+        keep += ["--T", *map(str, args.T)]
+    if args.budget:
+        keep += ["--budget", str(args.budget)]
+    records, checks = [], {}
+    for framework in dict.fromkeys(i.framework for i in impls):
+        names = [i.name for i in impls if i.framework == framework]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "group.json")
+            cmd = [sys.executable, "-m", "parity.bench", *keep, "--impl", *names, "--group-json", path]
+            log(f"{framework} group: {names}")
+            proc = subprocess.run(cmd)
+            if proc.returncode != 0 or not os.path.exists(path):
+                raise SystemExit(f"the {framework} group failed (exit {proc.returncode}): {cmd}")
+            with open(path) as f:
+                data = json.load(f)
+        records += data["records"]
+        checks.update(data["checks"])
+    return records, checks
+
+
+def _write_outputs(args, records, impls, machine, checks, gpu_section, json_path, log):
+    from . import anchors, report
+
+    os.makedirs(args.out, exist_ok=True)
+    md_path = args.md or (os.path.join(ROOT, "BENCHMARKS.md")
+                          if os.path.abspath(args.out) == DEFAULT_OUT
+                          else os.path.join(args.out, "BENCHMARKS.md"))
+    md_dir = os.path.dirname(os.path.abspath(md_path))
+    machine["json"] = os.path.relpath(os.path.abspath(json_path), md_dir)
+    plots = [] if args.no_plot else report.plot(records, impls, args.out)
+    with open(md_path, "w") as f:
+        f.write(report.markdown(records, impls, anchors.BASELINES, machine, checks,
+                                [os.path.relpath(p, md_dir) for p in plots], gpu_section))
+    log(f"wrote {md_path}, {json_path}" + "".join(f", {p}" for p in plots))
+
+
+def render(args):
+    """--render: the markdown and plots again from a stored results.json."""
+    import json
+
+    from . import anchors
+
+    with open(args.render) as f:
+        data = json.load(f)
+    names = {r["impl"] for r in data["records"]}
+    impls = [i for i in anchors.cpu_impls() if i.name in names]
+    _write_outputs(args, data["records"], impls, data["machine"], data["checks"],
+                   data.get("gpu"), args.render, print)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""How time, memory and the machine's ceilings are measured (CPU).
+
+Time: one call of each compared implementation after another (alternating, so
+slow drifts of this VM hit all of them alike), `repeats` rounds after warm-up
+calls, median per implementation.
+
+Peak memory: the growth of the process's resident set during one call, the
+same method for torch and JAX: return freed heap memory to the OS
+(malloc_trim; with MALLOC_ARENA_MAX=1 there is one heap), reset the kernel's
+high-water mark (writing 5 to /proc/self/clear_refs resets VmHWM), then
+peak = VmHWM after the call - VmRSS before it. It counts every byte the call
+touches that was not already resident: temporaries and outputs, for torch and
+XLA alike. Where the reset is not allowed the column says so.
+"""
+
+import ctypes
+import gc
+import statistics
+import time
+
+MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
+              "MALLOC_TRIM_THRESHOLD_": "100000000000"}
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise OSError(f"{key} not in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_memory_bytes(fn) -> int:
+    """Peak resident-set growth (bytes) during one call of fn()."""
+    _reset_peak()
+    before = _status_kib("VmRSS")
+    out = fn()
+    peak = _status_kib("VmHWM")
+    del out
+    return max(peak - before, 0) * 1024
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    out = fn()
+    dt = time.perf_counter() - t0
+    del out
+    return dt
+
+
+def median(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """This machine's fp32 matmul rate (GFLOP/s), torch n x n @ n x n, median."""
+    import torch
+
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    a @ b  # warm-up
+    return 2 * n ** 3 / median(timed(lambda: a @ b) for _ in range(repeats)) / 1e9
+
+
+def copy_gbps(n_bytes: int = 256 * 2 ** 20, repeats: int = 5) -> float:
+    """Memory bandwidth (GB/s, read + write) of a big torch copy."""
+    import torch
+
+    src = torch.empty(n_bytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return 2 * n_bytes / median(timed(lambda: dst.copy_(src)) for _ in range(repeats)) / 1e9

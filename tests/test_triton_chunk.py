@@ -1,0 +1,182 @@
+"""The chunked Triton kernels (mode="chunk") against the float64 oracle:
+outputs, final state and every gradient, run through bridge.torch_runner and
+bridge.grads.assemble directly (the launchers' wiring is tested elsewhere).
+
+On this CPU machine they run in Triton's interpreter (tiny shapes, T 16..160
+so that sequences span several 16-token blocks and end mid-block).
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+import bridge.kernels  # noqa: E402,F401  (decides the interpreter before triton is imported)
+from bridge import contract, grads, torch_runner  # noqa: E402
+from bridge.kernels import chunk  # noqa: E402
+from parity import backends, cases  # noqa: E402
+from parity.compare import errors, tolerance  # noqa: E402
+
+ORACLE = backends.Oracle()
+BATCHED = ("q", "k", "v", "g", "gk", "gv", "do")  # given packed as [total, H, *]
+
+
+def run_chunk(case, arrays, dtype, use_dht=True):
+    """{o, final_state, d<input>} from the chunk launch lists, as float32 NumPy
+    in each input's shape."""
+    t = {n: torch.from_numpy(np.ascontiguousarray(a)) for n, a in arrays.items()}
+    for n in ("q", "k", "v", "do"):
+        t[n] = t[n].to(getattr(torch, dtype))
+    plan = contract.check(**{n: x for n, x in cases.call_kwargs(case, t).items()})
+    env = {n: (x.reshape((1,) + tuple(x.shape)) if plan.packed and n in BATCHED else x)
+           for n, x in t.items()}
+    if plan.varlen:
+        env["cu_seqlens"] = env["cu_seqlens"].to(torch.int32)
+    torch_runner.run(chunk.forward_launches(plan), env)
+    assert env["o"].dtype == t["q"].dtype and env["final_state"].dtype == torch.float32
+    if not use_dht:
+        env.pop("dfinal_state")
+    torch_runner.run(chunk.backward_launches(plan, use_dht), env)
+    out = {"o": env["o"], "final_state": env["final_state"]}
+    out.update({"d" + n: gr for n, gr in grads.assemble(plan, env).items()})
+    return {n: x.float().numpy().reshape(arrays["do" if n == "o" else n[1:]].shape
+                                         if n != "final_state" else x.shape)
+            for n, x in out.items()}
+
+
+def run_case(case, dtype="float32", seed=0, use_dht=True):
+    """{quantity: relative error} of the kernels against the oracle, both given
+    the same inputs rounded to `dtype`."""
+    arrays = backends.prepared(case, dtype, seed)
+    if not use_dht:
+        arrays["dfinal_state"] = np.zeros_like(arrays["dfinal_state"])
+    got = run_chunk(case, arrays, dtype, use_dht)
+    want = ORACLE.run(case, arrays, dtype)
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    return errors(got, want, case.gate_grad_floor)
+
+
+def assert_close(errs, dtype):
+    bad = {k: v for k, v in errs.items() if not v <= tolerance(dtype)}
+    assert not bad, f"relative errors above {tolerance(dtype)}: {bad} (all: {errs})"
+
+
+C = cases.Case
+# 16-token blocks: T = 20 and 36 end mid-block; sequences of 0, 1, 17, 30 tokens
+FEATURES = [
+    C("plain", T=36),
+    C("g-head", T=20, g="head"),
+    C("g-key", T=20, H=1, Hk=1, g="key"),
+    C("gk", T=20, H=1, Hk=1, gk=True),
+    C("gv", T=20, gv=True),
+    C("gamma-head", T=20, g_gamma="head"),
+    C("gamma-seq", B=2, T=20, H=1, Hk=1, g_gamma="seq"),
+    C("initial-state", B=2, T=20, H=1, Hk=1, initial_state=True),
+    C("reverse", T=36, H=1, Hk=1, g="key", gv=True, initial_state=True, reverse=True),
+    C("varlen", H=1, Hk=1, seqlens=(17, 0, 30, 1), g="key", gv=True, initial_state=True,
+      packed=True),
+    C("varlen-reverse", H=1, Hk=1, seqlens=(17, 0, 20), gk=True, initial_state=True,
+      reverse=True),
+    C("gqa", T=20, H=4, Hk=2, K=6, V=10, g="head"),
+    C("odd-kv", T=20, H=1, Hk=1, K=33, V=40, gk=True, gv=True, initial_state=True),
+    C("scale", T=20, H=1, Hk=1, g="head", softmax_scale=0.3),
+    C("everything", H=2, Hk=1, K=5, V=7, g="key", gk=True, gv=True, g_gamma="seq",
+      initial_state=True, reverse=True, seqlens=(20, 1, 0, 18), packed=True),
+]
+
+
+@pytest.mark.parametrize("case", FEATURES, ids=lambda c: c.name)
+def test_features_fp32(case):
+    assert_close(run_case(case), "float32")
+
+
+def test_strong_gates_scan_precision():
+    """Log gates of -0.2..-10 a step (block sums near -80 over K and V): every
+    exponent stays <= 0, so the error stays at fp32 scan level."""
+    case = C("strong", T=36, H=1, Hk=1, g="key", gv=True, initial_state=True, gate_scale=10.0,
+             gate_grad_floor=0.1)
+    errs = run_case(case)
+    assert all(np.isfinite(v) for v in errs.values()), errs
+    assert_close(errs, "float32")
+    assert errs["o"] < 2e-6, errs
+
+
+def test_very_strong_gates_stay_finite():
+    case = C("very-strong", T=12, H=1, Hk=1, g="key", gk=True, gv=True, g_gamma="head",
+             initial_state=True, gate_scale=1e4)
+    errs = run_case(case)
+    assert all(np.isfinite(v) for v in errs.values()), errs
+    assert_close(errs, "float32")
+
+
+def test_without_final_state_cotangent():
+    case = C("no-dht", T=24, H=1, Hk=1, g="key", gv=True, g_gamma="head", initial_state=True)
+    assert_close(run_case(case, use_dht=False), "float32")
+
+
+@pytest.mark.xfail(strict=True, reason="dgamma [N,H] sums T reverse cumulative sums in fp32 "
+                   "in the combine kernel shared with fused_recurrent (3.8e-5 there, 8.5e-5 "
+                   "here on this case); the sum cancels, the fp32 tolerance is 2e-5")
+def test_gamma_gradient_long_sequences_known_limit():
+    case = C("gamma-long", H=1, Hk=1, seqlens=(17, 0, 30), gk=True, g_gamma="seq",
+             initial_state=True, reverse=True)
+    assert_close(run_case(case), "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision(dtype):
+    case = C("low", T=20, H=2, Hk=1, K=16, V=24, g="key", gv=True, initial_state=True)
+    assert_close(run_case(case, dtype), dtype)
+
+
+def test_long_sequence_several_blocks():
+    """T = 72: five blocks; K = 32, V = 80 (two value blocks of 64)."""
+    case = C("long", T=72, H=1, Hk=1, K=32, V=80, g="head", gv=True, initial_state=True)
+    assert chunk.config(contract.check(np.zeros((1, 1, 1, 32), np.float32),
+                                       np.zeros((1, 1, 1, 32), np.float32),
+                                       np.zeros((1, 1, 1, 80), np.float32)))["NV"] == 2
+    assert_close(run_case(case), "float32")
+
+
+def test_k_too_large_raises():
+    qk = np.zeros((1, 2, 1, 300), np.float32)
+    plan = contract.check(qk, qk, np.zeros((1, 2, 1, 8), np.float32))
+    with pytest.raises(ValueError, match="^q: mode='chunk' supports K <= 256"):
+        chunk.forward_launches(plan)
+
+
+# Known register spills (measured): K = 256 keeps [16, 256] fp32 tiles per
+# program (1.6-2.3 KB spilled), and the reverse pass with h0+reverse at K = 64
+# spills 24-40 bytes (8 bytes in the all-* variants on sm_80). Not fixed yet:
+# the test fails on any spill outside these sets.
+_K256 = {(f"K256-V{v}", f"chunk_{kn}_kernel") for v in (64, 256) for kn in ("fwd", "bwd_dkv")}
+KNOWN_SPILLS = {
+    90: _K256 | {("h0+reverse", "chunk_bwd_dkv_kernel")},
+    80: _K256 | {(f"{lab}", "chunk_bwd_dkv_kernel") for lab in
+                 ("h0+reverse", "all-float32", "all-float16", "all-bfloat16")},
+}
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_chunk_variants_compile_ahead_of_time(arch, tmp_path):
+    """Each chunk kernel variant builds to cubin for sm_80 / sm_90 without a
+    GPU, within the arch's shared memory; no spills outside KNOWN_SPILLS."""
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    out = tmp_path / "aot.json"
+    res = subprocess.run([sys.executable, "-m", "bridge.aot", "--arch", str(arch), "--family",
+                          "chunk", "--json", str(out)], env=env, capture_output=True, text=True,
+                         timeout=1200)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    import json
+
+    rows = json.loads(out.read_text())
+    assert all(r["ok"] for r in rows) and all(r["regs"] and r["regs"] <= 255 for r in rows)
+    rows = [r for r in rows if r["kernel"].startswith("chunk")]
+    assert len(rows) >= 50
+    spilled = {(r["variant"], r["kernel"]) for r in rows if r["spill_bytes"]}
+    assert spilled <= KNOWN_SPILLS[arch], sorted(spilled - KNOWN_SPILLS[arch])

@@ -1,0 +1,160 @@
+"""PyTorch layers over the public ops: GatedLinearAttention and LightningAttention.
+
+Conventions follow the GLA paper / flash-linear-attention's GLA layer (own code):
+q = x Wq, k = x Wk, v = x Wv (k, v on num_kv_heads heads), data-dependent key gate
+gk = logsigmoid(W2 W1 x + b) / gate_logit_normalizer (GLA only; Lightning uses the
+constant per-head decay of `lightning_attn`), o = recurrence, then per-head RMSNorm,
+times swish(x Wg) when use_output_gate, then o_proj.
+
+forward(x [B,T,D], attention_mask [B,T] (1 = token, 0 = padding), cu_seqlens [N+1]
+(x packed as [1,total,D]), state [N,H,K,V], use_cache) returns o [B,T,D], or
+(o, state [N,H,K,V] float32) when use_cache. Padded positions get zero k, v, q and a zero
+log-gate (no decay), so the state passes them unchanged and their outputs are zero.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bridge.weights import LayerConfig
+from . import ops
+
+
+class HeadRMSNorm(nn.Module):
+    """RMSNorm over the last dim (one head's V), computed in float32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def check_mask(attention_mask, x, cu_seqlens):
+    """ValueError unless attention_mask is None or [B,T] matching x (and no cu_seqlens)."""
+    if attention_mask is None:
+        return
+    if cu_seqlens is not None:
+        raise ValueError("attention_mask: give either attention_mask or cu_seqlens, not both")
+    if tuple(attention_mask.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"attention_mask: expected shape [B, T] = {tuple(x.shape[:2])}, "
+                         f"got {tuple(attention_mask.shape)}")
+
+
+@torch.compiler.disable
+def _call_op(layer, *args):
+    """The recurrence, outside torch.compile's graph (a graph break): tracing the chunked
+    path took ~2 minutes here, and the op launches its own kernels anyway. The op
+    accumulates in float32 itself, so autocast must not downcast its internals."""
+    with torch.autocast(args[0].device.type, enabled=False):
+        return layer._recurrence(*args)
+
+
+class _Layer(nn.Module):
+    """Shared projections, output gate/norm and the call into the op."""
+
+    KIND = None
+
+    def __init__(self, hidden_size=None, num_heads=4, *, config=None, mode="auto",
+                 platform="auto", **kwargs):
+        super().__init__()
+        if config is None:
+            if hidden_size is None:
+                raise ValueError("hidden_size: required when no config is given")
+            config = LayerConfig(hidden_size=hidden_size, num_heads=num_heads, kind=self.KIND,
+                                 **kwargs)
+        elif kwargs or hidden_size is not None:
+            raise ValueError("config: give either a config or keyword hyper-parameters")
+        if config.kind != self.KIND:
+            raise ValueError(f"config: expected kind={self.KIND!r}, got {config.kind!r}")
+        self.config, self.mode, self.platform = config, mode, platform
+        c, D = config, config.hidden_size
+        Hk = c.kv_heads
+        self.q_proj = nn.Linear(D, c.key_dim, bias=False)
+        self.k_proj = nn.Linear(D, Hk * c.head_k_dim, bias=False)
+        self.v_proj = nn.Linear(D, Hk * c.head_v_dim, bias=False)
+        if c.kind == "gla":
+            self.gk_proj = nn.Sequential(nn.Linear(D, c.gate_low_rank_dim, bias=False),
+                                         nn.Linear(c.gate_low_rank_dim, Hk * c.head_k_dim))
+        if c.use_output_gate:
+            self.g_proj = nn.Linear(D, c.value_dim, bias=False)
+        self.g_norm = HeadRMSNorm(c.head_v_dim, c.norm_eps)
+        self.o_proj = nn.Linear(c.value_dim, D, bias=False)
+
+    def _heads(self, t, heads, dim):
+        return t.reshape(*t.shape[:-1], heads, dim)
+
+    def _recurrence(self, q, k, v, gk, mask, cu_seqlens, state):
+        raise NotImplementedError
+
+    def forward(self, x, attention_mask=None, cu_seqlens=None, state=None, use_cache=False):
+        c = self.config
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != c.hidden_size:
+            raise ValueError(f"x: expected a tensor [B, T, {c.hidden_size}], got "
+                             f"{tuple(x.shape) if hasattr(x, 'shape') else type(x).__name__}")
+        check_mask(attention_mask, x, cu_seqlens)
+        H, Hk, K, V = c.num_heads, c.kv_heads, c.head_k_dim, c.head_v_dim
+        if state is not None and (state.dim() != 4 or tuple(state.shape[1:]) != (H, K, V)):
+            raise ValueError(f"state: expected shape [N, H={H}, K={K}, V={V}], "
+                             f"got {tuple(state.shape)}")
+        q = self._heads(self.q_proj(x), H, K)
+        k = self._heads(self.k_proj(x), Hk, K)
+        v = self._heads(self.v_proj(x), Hk, V)
+        gk = None
+        if c.kind == "gla":
+            # float32 gates: log-decays summed over many steps lose too much in bf16
+            gk = F.logsigmoid(self.gk_proj(x).float()) / c.gate_logit_normalizer
+            gk = self._heads(gk, Hk, K).repeat_interleave(H // Hk, dim=2)  # head h <- kv h//G
+        mask = None
+        if attention_mask is not None:
+            mask = attention_mask.to(torch.bool)[..., None, None]
+            q, k, v = (t.masked_fill(~mask, 0) for t in (q, k, v))
+            if gk is not None:
+                gk = gk.masked_fill(~mask, 0)
+        o, final_state = _call_op(self, q, k, v, gk, mask, cu_seqlens, state)
+        o = self.g_norm(o)
+        if c.use_output_gate:
+            g = self._heads(self.g_proj(x), H, V)
+            o = o * F.silu(g)
+        o = self.o_proj(o.reshape(*o.shape[:-2], H * V))
+        return (o, final_state) if use_cache else o
+
+
+class GatedLinearAttention(_Layer):
+    """GLA layer (see module docstring). Keyword hyper-parameters as `LayerConfig`
+    (hidden_size, num_heads, num_kv_heads, expand_k, expand_v, gate_low_rank_dim,
+    gate_logit_normalizer, use_output_gate, norm_eps) or `config=LayerConfig(...)`;
+    `mode` / `platform` go to `ops.recurrent_gla`."""
+
+    KIND = "gla"
+
+    def _recurrence(self, q, k, v, gk, mask, cu_seqlens, state):
+        return ops.recurrent_gla(q, k, v, g=gk, initial_state=state, cu_seqlens=cu_seqlens,
+                                 mode=self.mode, platform=self.platform)
+
+
+class LightningAttention(_Layer):
+    """Lightning attention layer: projections + `ops.lightning_attn` (constant per-head
+    decay set by config.layer_idx / config.num_layers), same output gate/norm as GLA."""
+
+    KIND = "lightning"
+
+    def _recurrence(self, q, k, v, gk, mask, cu_seqlens, state):
+        c = self.config
+        if mask is None:
+            return ops.lightning_attn(q, k, v, c.layer_idx, c.num_layers, initial_state=state,
+                                      cu_seqlens=cu_seqlens, mode=self.mode,
+                                      platform=self.platform)
+        # padding must not decay the state: the same decay as a per-head, per-step gate,
+        # zeroed at padded positions
+        from bridge import contract
+
+        gamma = torch.from_numpy(contract.lightning_g_gamma(c.num_heads, c.layer_idx,
+                                                            c.num_layers)).to(q.device)
+        g = torch.where(mask[..., 0], gamma, torch.zeros((), device=q.device))
+        return ops.recurrent(q, k, v, g=g, initial_state=state, mode=self.mode,
+                             platform=self.platform)
