@@ -31,8 +31,7 @@ import triton
 import triton.language as tl
 
 from ..launch import Launch, Out
-from .fused_recurrent import (_bounds, _flags, _gamma, _gate_inputs,
-                              fused_recurrent_bwd_combine_kernel)
+from .fused_recurrent import _bounds, _flags, _gamma, _gate_inputs, three_pass_backward
 
 MAX_K = 256
 BT = 16  # block length: cumulative gates span at most 16 steps
@@ -274,48 +273,9 @@ def forward_launches(plan) -> list:
 
 def backward_launches(plan, use_dht: bool) -> list:
     """Reads the forward inputs, final_state, do [B,T,H,V] and (use_dht)
-    dfinal_state [N,H,K,V]; writes the fp32 buffers bridge.grads reads."""
+    dfinal_state [N,H,K,V]; writes the fp32 buffers bridge.grads reads. The
+    per-token combine and reverse cumulative gate sums are fused_recurrent's."""
     c = config(plan)
-    B, T, H, K, V, N, NV = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N, c["NV"]
-    kgate = plan.g != "none" or plan.gk or plan.g_gamma != "none"
-    final_terms = use_dht and (kgate or plan.gv)
-    flags = _flags(plan)
-    blocks = dict(BT=c["BT"], BK=c["BK"], BV=c["BV"], NV=NV)
-    gates = _gate_inputs(plan)
-    cu = "cu_seqlens" if plan.varlen else None
-    return [
-        Launch(chunk_fwd_kernel, grid=(NV, N * H),
-               inputs=("q", "k", "v", *gates, "initial_state" if plan.initial_state else None,
-                       cu, "do"),
-               scalars=(plan.scale, T),
-               outputs=(None, None, Out("dq_part", (B, T, H, NV, K)),
-                        Out("odo", (B, T, H, V)) if plan.gv else None),
-               constexprs=dict(flags, **blocks, USE_H0=plan.initial_state, DQ=True),
-               num_warps=c["num_warps"]),
-        Launch(chunk_bwd_dkv_kernel, grid=(NV, N * H),
-               inputs=("q", "k", "v", *gates, "final_state" if final_terms else None, cu, "do",
-                       "dfinal_state" if use_dht else None),
-               scalars=(plan.scale, T),
-               outputs=(Out("dk_part", (B, T, H, NV, K)), Out("dv_part", (B, T, H, V)),
-                        Out("d_initial_state", (N, H, K, V)) if plan.initial_state else None,
-                        Out("dfa", (N, H, NV, K)) if final_terms and kgate else None,
-                        Out("dfb", (N, H, V)) if final_terms and plan.gv else None),
-               constexprs=dict(flags, **blocks, USE_H0=plan.initial_state, USE_DHT=use_dht,
-                               FINAL_TERMS=final_terms),
-               num_warps=c["num_warps"]),
-        # per-token combine and reverse cumulative gate sums: shared with fused_recurrent
-        Launch(fused_recurrent_bwd_combine_kernel, grid=(N * H,),
-               inputs=("q", "k", "v", "do", cu, "dq_part", "dk_part", "dv_part",
-                       "odo" if plan.gv else None,
-                       "dfa" if final_terms and kgate else None,
-                       "dfb" if final_terms and plan.gv else None),
-               scalars=(plan.scale, T),
-               outputs=(Out("dq", (B, T, H, K)), Out("dk_h", (B, T, H, K)),
-                        Out("dv_h", (B, T, H, V)),
-                        Out("da", (B, T, H, K)) if plan.g == "key" or plan.gk else None,
-                        Out("dg_head", (B, T, H)) if plan.g == "head" else None,
-                        Out("dgamma", (N, H)) if plan.g_gamma != "none" else None,
-                        Out("db", (B, T, H, V)) if plan.gv else None),
-               constexprs=dict(flags, BK=_next_pow2(K), BVF=c["BVF"], NV=NV, USE_DHT=use_dht),
-               num_warps=1),
-    ]
+    return three_pass_backward(plan, use_dht, chunk_fwd_kernel, chunk_bwd_dkv_kernel,
+                               dict(BT=c["BT"], BK=c["BK"], BV=c["BV"], NV=c["NV"]),
+                               c["num_warps"], combine_bk=_next_pow2(plan.K), bvf=c["BVF"])

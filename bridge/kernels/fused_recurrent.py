@@ -300,23 +300,34 @@ def backward_launches(plan, use_dht: bool) -> list:
     """Reads the forward inputs, final_state, do [B,T,H,V] and (use_dht)
     dfinal_state [N,H,K,V]; writes the fp32 buffers `gradients` reads."""
     c = config(plan)
-    B, T, H, K, V, N, NV = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N, c["NV"]
+    return three_pass_backward(plan, use_dht, fused_recurrent_fwd_kernel,
+                               fused_recurrent_bwd_dkv_kernel,
+                               dict(BK=c["BK"], BV=c["BV"], NV=c["NV"]), c["num_warps"],
+                               combine_bk=c["BK"], bvf=c["BVF"])
+
+
+def three_pass_backward(plan, use_dht, fwd_kernel, dkv_kernel, blocks, num_warps,
+                        combine_bk, bvf) -> list:
+    """The backward of a kernel family whose forward kernel has the DQ pass and
+    whose dkv kernel has fused_recurrent_bwd_dkv_kernel's signature: pass 1
+    (dq' partials, o'*do), pass 2 (dk', dv', d initial_state, final-state gate
+    terms), then this module's combine kernel (see the module docstring)."""
+    B, T, H, K, V, N, NV = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N, blocks["NV"]
     kgate = plan.g != "none" or plan.gk or plan.g_gamma != "none"
     final_terms = use_dht and (kgate or plan.gv)
     flags = _flags(plan)
-    blocks = dict(BK=c["BK"], BV=c["BV"], NV=NV)
     gates = _gate_inputs(plan)
     cu = "cu_seqlens" if plan.varlen else None
     return [
-        Launch(fused_recurrent_fwd_kernel, grid=(NV, N * H),
+        Launch(fwd_kernel, grid=(NV, N * H),
                inputs=("q", "k", "v", *gates, "initial_state" if plan.initial_state else None,
                        cu, "do"),
                scalars=(plan.scale, T),
                outputs=(None, None, Out("dq_part", (B, T, H, NV, K)),
                         Out("odo", (B, T, H, V)) if plan.gv else None),
                constexprs=dict(flags, **blocks, USE_H0=plan.initial_state, DQ=True),
-               num_warps=c["num_warps"]),
-        Launch(fused_recurrent_bwd_dkv_kernel, grid=(NV, N * H),
+               num_warps=num_warps),
+        Launch(dkv_kernel, grid=(NV, N * H),
                inputs=("q", "k", "v", *gates, "final_state" if final_terms else None, cu, "do",
                        "dfinal_state" if use_dht else None),
                scalars=(plan.scale, T),
@@ -326,7 +337,7 @@ def backward_launches(plan, use_dht: bool) -> list:
                         Out("dfb", (N, H, V)) if final_terms and plan.gv else None),
                constexprs=dict(flags, **blocks, USE_H0=plan.initial_state, USE_DHT=use_dht,
                                FINAL_TERMS=final_terms),
-               num_warps=c["num_warps"]),
+               num_warps=num_warps),
         Launch(fused_recurrent_bwd_combine_kernel, grid=(N * H,),
                inputs=("q", "k", "v", "do", cu, "dq_part", "dk_part", "dv_part",
                        "odo" if plan.gv else None,
@@ -339,6 +350,6 @@ def backward_launches(plan, use_dht: bool) -> list:
                         Out("dg_head", (B, T, H)) if plan.g == "head" else None,
                         Out("dgamma", (N, H)) if plan.g_gamma != "none" else None,
                         Out("db", (B, T, H, V)) if plan.gv else None),
-               constexprs=dict(flags, BK=c["BK"], BVF=c["BVF"], NV=NV, USE_DHT=use_dht),
+               constexprs=dict(flags, BK=combine_bk, BVF=bvf, NV=NV, USE_DHT=use_dht),
                num_warps=1),
     ]

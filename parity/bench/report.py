@@ -6,6 +6,7 @@ machine description: nothing is written by hand.
 
 import json
 import os
+import sys
 
 MODE_TITLE = {"fwd": "forward", "fwdbwd": "forward + backward"}
 TARGET_AT = 4096  # the targets are stated at this T (the largest run T when it is absent)
@@ -222,8 +223,13 @@ def write_json(path, records, machine, checks, gpu=None):
 
 def plot(records, impls, out_dir) -> list:
     """One PNG per shape: time vs T, log-log, one line per implementation,
-    forward and forward+backward panels. Returns the file paths."""
-    import matplotlib
+    forward and forward+backward panels. Returns the file paths (none, with a
+    message, where matplotlib is not installed: it comes with the `bench` extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install -e '.[bench]')", file=sys.stderr)
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
