@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 from ..launch import Launch, Out
-from .fused_recurrent import _bounds, _flags, _gamma, _gate_inputs, three_pass_backward
+from .common import flags as _flags, gate_inputs as _gate_inputs, head_gamma as _gamma, seq_bounds as _bounds
+from .fused_recurrent import three_pass_backward
 
 MAX_K = 256
 BT = 16  # block length: cumulative gates span at most 16 steps

@@ -26,31 +26,7 @@ import triton
 import triton.language as tl
 
 from ..launch import Launch, Out
-
-MAX_K = 256
-
-
-@triton.jit
-def _bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
-    """First and one-past-last token row of sequence i_n (int64)."""
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        eos = bos + T
-    return bos, eos
-
-
-@triton.jit
-def _gamma(g_gamma, i_n, i_h, H: tl.constexpr, GAMMA_MODE: tl.constexpr):
-    """The constant log decay of this (sequence, head): [H] or [N, H] form, 0 if absent."""
-    gamma = 0.0
-    if GAMMA_MODE == 1:
-        gamma = tl.load(g_gamma + i_h).to(tl.float32)
-    if GAMMA_MODE == 2:
-        gamma = tl.load(g_gamma + i_n * H + i_h).to(tl.float32)
-    return gamma
+from .common import check_k, flags, gate_inputs, head_gamma, key_gated, next_pow2, seq_bounds
 
 
 @triton.jit
@@ -82,12 +58,12 @@ def fused_recurrent_fwd_kernel(
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HK)
-    bos, eos = _bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     mask_k, mask_v = o_k < K, o_v < V
     mask_h = mask_k[:, None] & mask_v[None, :]
-    gamma = _gamma(g_gamma, i_n, i_h, H, GAMMA_MODE)
+    gamma = head_gamma(g_gamma, i_n, i_h, H, GAMMA_MODE)
 
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
@@ -140,13 +116,13 @@ def fused_recurrent_bwd_dkv_kernel(
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HK)
-    bos, eos = _bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     mask_k, mask_v = o_k < K, o_v < V
     mask_h = mask_k[:, None] & mask_v[None, :]
     p_state = (i_nh * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
-    gamma = _gamma(g_gamma, i_n, i_h, H, GAMMA_MODE)
+    gamma = head_gamma(g_gamma, i_n, i_h, H, GAMMA_MODE)
 
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
@@ -198,7 +174,7 @@ def fused_recurrent_bwd_combine_kernel(
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HK)
-    bos, eos = _bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BVF)
     mask_k, mask_v = o_k < K, o_v < V
@@ -251,32 +227,15 @@ def fused_recurrent_bwd_combine_kernel(
 
 # ---------------------------------------------------------------- launch plans
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
 def config(plan) -> dict:
     """Block sizes: all of K in one block, V split so the fp32 state tile holds
     at most 4096 values (16-32 registers a thread at 4 warps)."""
-    if plan.K > MAX_K:
-        raise ValueError(f"q: mode='fused_recurrent' supports K <= {MAX_K}, got K={plan.K}")
-    BK = _next_pow2(plan.K)
-    BV = min(_next_pow2(plan.V), max(16, 4096 // BK))
+    check_k(plan, "fused_recurrent")
+    BK = next_pow2(plan.K)
+    BV = min(next_pow2(plan.V), max(16, 4096 // BK))
     NV = -(-plan.V // BV)
-    return dict(BK=BK, BV=BV, NV=NV, BVF=_next_pow2(plan.V),
+    return dict(BK=BK, BV=BV, NV=NV, BVF=next_pow2(plan.V),
                 num_warps=4 if BK * BV >= 2048 else 2)
-
-
-def _flags(plan) -> dict:
-    return dict(H=plan.H, HK=plan.Hk, K=plan.K, V=plan.V,
-                G_MODE={"none": 0, "head": 1, "key": 2}[plan.g], USE_GK=plan.gk,
-                USE_GV=plan.gv, GAMMA_MODE={"none": 0, "head": 1, "seq": 2}[plan.g_gamma],
-                IS_VARLEN=plan.varlen, REVERSE=plan.reverse)
-
-
-def _gate_inputs(plan) -> tuple:
-    return ("g" if plan.g != "none" else None, "gk" if plan.gk else None,
-            "gv" if plan.gv else None, "g_gamma" if plan.g_gamma != "none" else None)
 
 
 def forward_launches(plan) -> list:
@@ -286,12 +245,12 @@ def forward_launches(plan) -> list:
     B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
     return [Launch(
         fused_recurrent_fwd_kernel, grid=(c["NV"], N * H),
-        inputs=("q", "k", "v", *_gate_inputs(plan),
+        inputs=("q", "k", "v", *gate_inputs(plan),
                 "initial_state" if plan.initial_state else None,
                 "cu_seqlens" if plan.varlen else None, None),
         scalars=(plan.scale, T),
         outputs=(Out("o", (B, T, H, V), "like:q"), Out("final_state", (N, H, K, V)), None, None),
-        constexprs=dict(_flags(plan), BK=c["BK"], BV=c["BV"], NV=c["NV"],
+        constexprs=dict(flags(plan), BK=c["BK"], BV=c["BV"], NV=c["NV"],
                         USE_H0=plan.initial_state, DQ=False),
         num_warps=c["num_warps"])]
 
@@ -313,10 +272,10 @@ def three_pass_backward(plan, use_dht, fwd_kernel, dkv_kernel, blocks, num_warps
     (dq' partials, o'*do), pass 2 (dk', dv', d initial_state, final-state gate
     terms), then this module's combine kernel (see the module docstring)."""
     B, T, H, K, V, N, NV = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N, blocks["NV"]
-    kgate = plan.g != "none" or plan.gk or plan.g_gamma != "none"
+    kgate = key_gated(plan)
     final_terms = use_dht and (kgate or plan.gv)
-    flags = _flags(plan)
-    gates = _gate_inputs(plan)
+    fl = flags(plan)
+    gates = gate_inputs(plan)
     cu = "cu_seqlens" if plan.varlen else None
     return [
         Launch(fwd_kernel, grid=(NV, N * H),
@@ -325,7 +284,7 @@ def three_pass_backward(plan, use_dht, fwd_kernel, dkv_kernel, blocks, num_warps
                scalars=(plan.scale, T),
                outputs=(None, None, Out("dq_part", (B, T, H, NV, K)),
                         Out("odo", (B, T, H, V)) if plan.gv else None),
-               constexprs=dict(flags, **blocks, USE_H0=plan.initial_state, DQ=True),
+               constexprs=dict(fl, **blocks, USE_H0=plan.initial_state, DQ=True),
                num_warps=num_warps),
         Launch(dkv_kernel, grid=(NV, N * H),
                inputs=("q", "k", "v", *gates, "final_state" if final_terms else None, cu, "do",
@@ -335,7 +294,7 @@ def three_pass_backward(plan, use_dht, fwd_kernel, dkv_kernel, blocks, num_warps
                         Out("d_initial_state", (N, H, K, V)) if plan.initial_state else None,
                         Out("dfa", (N, H, NV, K)) if final_terms and kgate else None,
                         Out("dfb", (N, H, V)) if final_terms and plan.gv else None),
-               constexprs=dict(flags, **blocks, USE_H0=plan.initial_state, USE_DHT=use_dht,
+               constexprs=dict(fl, **blocks, USE_H0=plan.initial_state, USE_DHT=use_dht,
                                FINAL_TERMS=final_terms),
                num_warps=num_warps),
         Launch(fused_recurrent_bwd_combine_kernel, grid=(N * H,),
@@ -350,6 +309,6 @@ def three_pass_backward(plan, use_dht, fwd_kernel, dkv_kernel, blocks, num_warps
                         Out("dg_head", (B, T, H)) if plan.g == "head" else None,
                         Out("dgamma", (N, H)) if plan.g_gamma != "none" else None,
                         Out("db", (B, T, H, V)) if plan.gv else None),
-               constexprs=dict(flags, BK=combine_bk, BVF=bvf, NV=NV, USE_DHT=use_dht),
+               constexprs=dict(fl, BK=combine_bk, BVF=bvf, NV=NV, USE_DHT=use_dht),
                num_warps=1),
     ]
