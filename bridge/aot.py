@@ -1,11 +1,23 @@
-"""Ahead-of-time compile of the Triton kernel variants, with no GPU.
+"""Ahead-of-time compile of the Triton kernels, with no GPU.
 
-    TRITON_INTERPRET=0 python -m bridge.aot --arch 90 [--json PATH]
+    TRITON_INTERPRET=0 python -m bridge.aot --arch 90 [--family all] [--json PATH]
 
 builds every launch of `VARIANTS` (through the same launch lists the
 frameworks run) to cubin for the given CUDA arch, and prints one line per
 kernel variant with its shared memory, registers and spills. Exits 1 if any
 variant fails to build or needs more shared memory than the arch has.
+`--hints` compiles them with a real launch's alignment hints (off by default:
+the known spills in tests/test_triton_*.py were measured without them).
+
+    TRITON_INTERPRET=0 python -m bridge.aot --report [--shape B,T,H,K,V] [--dtype bf16]
+        [--mode chunk] [--gates key] [--arch 80,90] [--json [PATH]] [--markdown]
+        [--ptx-dir DIR]
+
+compiles the forward and backward launch lists of one call for each arch and
+reports, per launch: grid, warps/stages, registers, spills, shared memory,
+tensor-core instructions in the PTX (mma.sync / wgmma.mma_async and their
+operand types), the launch's dot FLOPs and HBM bytes, and a roofline lower
+bound on an H100 SXM; plus the backward's workspace (see `report`).
 """
 
 import argparse
@@ -18,6 +30,14 @@ import time
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 _TL = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int32": "i32", "int64": "i64"}
+_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+# H100 SXM peaks (dense): the roofline of `lower_bound`.
+PEAK_TC_FLOPS = 989e12     # bf16 / fp16 tensor cores
+PEAK_TF32_FLOPS = 494.7e12  # tf32 tensor cores
+PEAK_FP32_FLOPS = 67e12     # fp32 FMA units: dots without mma/wgmma (ieee fp32)
+PEAK_HBM_BYTES = 3.35e12    # HBM3
 
 
 def _variants():
@@ -44,42 +64,141 @@ def _variants():
     return out
 
 
-def _dtype_of(name, plan):
-    """The dtype a launch sees for a named tensor in these variants."""
-    if name in ("q", "k", "v", "g", "gk", "gv", "g_gamma", "do", "o"):
-        return plan.dtype
-    if name == "cu_seqlens":
-        return "int32"
-    return "float32"  # states and every backward buffer
+# ---------------------------------------------------------------- tensor dtypes
+
+def input_dtypes(plan, gamma_like_q: bool = False) -> dict:
+    """dtype of every tensor a caller hands in: q, k, v, the gates and do in the
+    plan's dtype; g_gamma (a per-head constant, float32 in Lightning), the states
+    and their gradients float32; cu_seqlens int32. The variant mode keeps its
+    historical g_gamma in q's dtype (`gamma_like_q`)."""
+    d = {n: plan.dtype for n in ("q", "k", "v", "g", "gk", "gv", "do")}
+    d.update(g_gamma=plan.dtype if gamma_like_q else "float32", initial_state="float32",
+             dfinal_state="float32", cu_seqlens="int32")
+    return d
 
 
-def compile_launch(launch, plan, arch):
-    import triton
-    from triton.backends.compiler import GPUTarget
+def _resolve(spec, env):
+    return env[spec[5:]] if spec.startswith("like:") else spec
+
+
+def tensor_dtypes(plan, launch_lists, gamma_like_q: bool = False) -> dict:
+    """{name: dtype} for the inputs and for every Out of the launch lists, in
+    order (forward then backward), so a buffer an earlier launch wrote (e.g. a
+    forward state reused by the backward) has that Out's dtype."""
+    env = input_dtypes(plan, gamma_like_q)
+    for launches in launch_lists:
+        for launch in launches:
+            for o in launch.outputs:
+                if o is not None:
+                    env[o.name] = _resolve(o.dtype, env)
+    return env
+
+
+def _nbytes(shape, dtype) -> int:
+    n = _SIZE[dtype]
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def gradient_shapes(plan) -> dict:
+    """{input: (shape, dtype)} of the gradients the backward returns."""
+    B, T, H, Hk, K, V, N = plan.B, plan.T, plan.H, plan.Hk, plan.K, plan.V, plan.N
+    dt = input_dtypes(plan)
+    out = {"q": (B, T, H, K), "k": (B, T, Hk, K), "v": (B, T, Hk, V)}
+    if plan.g != "none":
+        out["g"] = (B, T, H, K) if plan.g == "key" else (B, T, H)
+    if plan.gk:
+        out["gk"] = (B, T, H, K)
+    if plan.gv:
+        out["gv"] = (B, T, H, V)
+    if plan.g_gamma != "none":
+        out["g_gamma"] = (H,) if plan.g_gamma == "head" else (N, H)
+    if plan.initial_state:
+        out["initial_state"] = (N, H, K, V)
+    return {n: (s, dt[n]) for n, s in out.items()}
+
+
+def workspace_bytes(plan, launches) -> int:
+    """Device memory a backward launch list allocates beyond the gradients it
+    returns: the bytes of every Out buffer ('like:q' is the input dtype) minus
+    the bytes of the gradients of the inputs present in `plan`."""
+    env = input_dtypes(plan)
+    total = sum(_nbytes(o.shape, _resolve(o.dtype, env))
+                for launch in launches for o in launch.outputs if o is not None)
+    return total - sum(_nbytes(s, d) for s, d in gradient_shapes(plan).values())
+
+
+# ---------------------------------------------------------------- compiling
+
+def _arguments(launch):
+    """(param name, argument) for each runtime parameter: input names, scalar
+    values, then Outs, as the launchers pass them (constexprs by keyword)."""
+    params = [p for p in launch.kernel.arg_names if p not in launch.constexprs]
+    args = list(launch.inputs) + list(launch.scalars) + list(launch.outputs)
+    if len(params) != len(args):
+        raise TypeError(f"{launch.kernel.__name__}: {len(params)} runtime parameters, "
+                        f"launch gives {len(args)}")
+    return list(zip(params, args))
+
+
+def build_source(launch, dtypes: dict, hints: bool = True):
+    """Triton's ASTSource for `launch`, specialised as a real launch is: pointers
+    (absent ones get q, as the launchers pass it) 16-byte aligned and integer
+    scalars divisible by 16 where they are (`tt.divisibility` 16), an int of 1
+    a constant; floats never specialised. `hints=False` drops the alignment."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
 
+    from .launch import Out
+
     fn = launch.kernel
-    names = launch.inputs
-    ptrs = [_TL[_dtype_of(n or "q", plan)] for n in names]  # absent: the dummy is q
-    ptrs += [_TL[plan.dtype if o is None or o.dtype.startswith("like:") else o.dtype]
-             for o in launch.outputs]
-    n_in = len(names)
-    sig, constexprs = {}, {}
-    params = fn.arg_names
-    scalars = iter(launch.scalars)
-    for i, p in enumerate(params):
-        if p in launch.constexprs:
+    sig, constexprs, attrs = {}, dict(launch.constexprs), {}
+    for p in fn.arg_names:
+        if p in constexprs:
             sig[p] = "constexpr"
-            constexprs[p] = launch.constexprs[p]
-        elif i < n_in:
-            sig[p] = "*" + ptrs[i]
-        elif i < n_in + len(launch.scalars):
-            sig[p] = "fp32" if isinstance(next(scalars), float) else "i32"
+    for p, a in _arguments(launch):
+        if a is None or isinstance(a, (str, Out)):
+            name = a.name if isinstance(a, Out) else (a or "q")
+            # torch allocations are 256-byte aligned: every pointer gets "D"
+            ty, spec = "*" + _TL[dtypes[name]], "D"
         else:
-            sig[p] = "*" + ptrs[i - len(launch.scalars)]
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                       options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+            # the same call JITFunction's binder makes for a scalar argument
+            ty, spec = native_specialize_impl(CUDABackend, a, False, True, True)
+        if ty == "constexpr":
+            sig[p], constexprs[p] = "constexpr", spec
+            continue
+        sig[p] = ty
+        if hints and spec:
+            attrs[(fn.arg_names.index(p),)] = CUDABackend.parse_attr(spec)
+    return ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+
+
+def _compile(launch, dtypes, arch, hints=True):
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    return triton.compile(build_source(launch, dtypes, hints),
+                          target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": launch.num_warps,
+                                   "num_stages": launch.num_stages})
+
+
+class _Float32Default(dict):
+    """Variant mode's dtypes: a buffer no Out of the launch names is float32."""
+
+    def __missing__(self, key):
+        return "float32"
+
+
+def compile_launch(launch, plan, arch, hints=True, dtypes=None):
+    """Build one launch of `plan` for `arch`: shared memory, registers, spills.
+    Without `dtypes`, as the variant mode always did: g_gamma in q's dtype and
+    a buffer of an earlier launch float32 (pass `tensor_dtypes` to resolve it)."""
+    if dtypes is None:
+        dtypes = _Float32Default(tensor_dtypes(plan, [[launch]], gamma_like_q=True))
+    k = _compile(launch, dtypes, arch, hints)
     return dict(shared=k.metadata.shared, **_ptxas_usage(k.asm["ptx"], arch))
 
 
@@ -98,63 +217,298 @@ def _ptxas_usage(ptx: str, arch: int) -> dict:
         arch_name = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
         res = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={arch_name}", path,
                               "-o", os.path.join(d, "k.cubin")], capture_output=True, text=True)
-    log = res.stdout + res.stderr
+    return _parse_ptxas_log(res.stdout + res.stderr)
+
+
+def _parse_ptxas_log(log: str) -> dict:
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", log)
     return dict(regs=int(regs.group(1)) if regs else None,
                 spill_bytes=sum(int(x) for x in spills) if spills else None)
 
 
+def _compile_with_usage(launch, dtypes, arch, hints=True):
+    """(compiled kernel, registers and spills) from the ptxas -v run Triton
+    itself makes for the cubin (its flags, no second ptxas run); a kernel
+    found in Triton's cache has no log, so ptxas runs again on its PTX."""
+    import contextlib
+    import io
+
+    from triton import knobs
+
+    buf = io.StringIO()
+    with knobs.nvidia.scope(), contextlib.redirect_stdout(buf):
+        knobs.nvidia.dump_ptxas_log = True
+        k = _compile(launch, dtypes, arch, hints)
+    use = _parse_ptxas_log(buf.getvalue())
+    if use["regs"] is None:
+        use = _ptxas_usage(k.asm["ptx"], arch)
+    return k, use
+
+
+# ---------------------------------------------------------------- reading PTX
+
+_MMA = re.compile(r"^\s*(?:@!?%\w+\s+)?mma\.sync\.aligned\.m\d+n\d+k\d+\.row\.col"
+                  r"\.\w+\.(\w+)\.(\w+)\.\w+", re.M)
+_WGMMA = re.compile(r"^\s*(?:@!?%\w+\s+)?wgmma\.mma_async\.sync\.aligned\.m\d+n\d+k\d+"
+                    r"\.\w+\.(\w+)\.(\w+)", re.M)
+
+
+def count_mma(ptx: str) -> dict:
+    """Tensor-core instructions in PTX: mma.sync (sm_80 style) and
+    wgmma.mma_async (sm_90) counts and their distinct A/B operand types."""
+    mma, wgmma = _MMA.findall(ptx), _WGMMA.findall(ptx)
+    types = sorted({t for pair in mma + wgmma for t in pair})
+    return dict(mma=len(mma), wgmma=len(wgmma), mma_types=types)
+
+
+def lower_bound(rec: dict) -> tuple:
+    """(microseconds, peak FLOP/s used) of a launch record on an H100 SXM:
+    max(dot_flops / peak, bytes / HBM peak). The peak is the tensor cores'
+    when the PTX has mma/wgmma (tf32's when tf32 is the only operand type),
+    else the fp32 FMA units'."""
+    if rec.get("mma") or rec.get("wgmma"):
+        types = set(rec.get("mma_types") or ())
+        peak = PEAK_TF32_FLOPS if types == {"tf32"} else PEAK_TC_FLOPS
+    else:
+        peak = PEAK_FP32_FLOPS
+    us = max(rec.get("dot_flops", 0) / peak, rec.get("bytes", 0) / PEAK_HBM_BYTES) * 1e6
+    return us, peak
+
+
+# ---------------------------------------------------------------- the report
+
+GATES = {"key": dict(g="key"), "head": dict(g="head"), "none": {},
+         "gamma": dict(g_gamma="head"),
+         "all": dict(g="key", gk=True, gv=True, g_gamma="head")}
+
+
+def report_plan(shape, dtype="bf16", gates="key"):
+    """The Plan of one call at `shape` (B, T, H, K, V), Hk = H, N = B."""
+    from .contract import Plan
+
+    B, T, H, K, V = shape
+    kw = dict(g="none", gk=False, gv=False, g_gamma="none")
+    kw.update(GATES[gates])
+    return Plan(B=B, T=T, H=H, Hk=H, K=K, V=V, N=B, initial_state=False, scale=K ** -0.5,
+                reverse=False, varlen=False, packed=False, dtype=DTYPES.get(dtype, dtype), **kw)
+
+
+def _versions():
+    import triton
+
+    try:
+        import torch
+
+        tv = torch.__version__
+    except ImportError:
+        tv = None
+    return {"triton": triton.__version__, "torch": tv}
+
+
+def report(shape, dtype="bf16", mode="chunk", archs=(80, 90), gates="key", ptx_dir=None,
+           hints=True, log=None) -> dict:
+    """Compile the forward and backward (use_dht=True) launch lists of one call
+    for each arch; the JSON object `--report --json` prints."""
+    from .kernels import family
+
+    fam = family(mode)
+    plan = report_plan(shape, dtype, gates)
+    short = {v: k for k, v in DTYPES.items()}[plan.dtype]
+    phases = [("fwd", fam.forward_launches(plan)), ("bwd", fam.backward_launches(plan, True))]
+    dtypes = tensor_dtypes(plan, [ls for _, ls in phases])
+    if ptx_dir:
+        os.makedirs(ptx_dir, exist_ok=True)
+    launches, used = [], set()
+    for arch in archs:
+        for phase, ls in phases:
+            for launch in ls:
+                name = launch.kernel.__name__
+                grid = [int(x) for x in launch.grid]
+                programs = 1
+                for x in grid:
+                    programs *= x
+                rec = dict(kernel=name, phase=phase, target=f"sm_{arch}", grid=grid,
+                           programs=programs, num_warps=launch.num_warps,
+                           num_stages=launch.num_stages, n_regs=None, n_spills=None,
+                           shared=None, mma=0, wgmma=0, mma_types=[],
+                           dot_flops=int(launch.dot_flops), bytes=int(launch.bytes))
+                t0 = time.time()
+                try:
+                    k, use = _compile_with_usage(launch, dtypes, arch, hints)
+                    ptx = k.asm["ptx"]
+                    rec.update(n_regs=use["regs"], n_spills=use["spill_bytes"] or 0,
+                               shared=k.metadata.shared, **count_mma(ptx))
+                    if ptx_dir:
+                        # a kernel launched twice in one phase gets .2, .3, ...
+                        stem, i = f"{name}.{phase}", 1
+                        while (stem, arch) in used:
+                            i += 1
+                            stem = f"{name}.{phase}.{i}"
+                        used.add((stem, arch))
+                        rec["ptx_file"] = f"{stem}.sm_{arch}.{short}.ptx"
+                        with open(os.path.join(ptx_dir, rec["ptx_file"]), "w") as f:
+                            f.write(ptx)
+                except Exception as e:  # report every failure, keep going
+                    rec["error"] = f"{type(e).__name__}: {e}"[:500]
+                rec["lower_bound_us"], rec["peak_flops"] = lower_bound(rec)
+                rec["seconds"] = round(time.time() - t0, 2)
+                launches.append(rec)
+                if log:
+                    log(f"{rec['target']} {phase} {name}: regs={rec['n_regs']} "
+                        f"spills={rec['n_spills']} shared={rec['shared']} mma={rec['mma']} "
+                        f"wgmma={rec['wgmma']} {rec['mma_types']} ({rec['seconds']} s)"
+                        + (f" ERROR {rec['error']}" if "error" in rec else ""))
+    bound_target = "sm_90" if 90 in archs else f"sm_{archs[0]}"
+    bounds = {p: sum(r["lower_bound_us"] for r in launches
+                     if r["phase"] == p and r["target"] == bound_target) for p in ("fwd", "bwd")}
+    bounds["total"] = bounds["fwd"] + bounds["bwd"]
+    return {"shape": dict(B=plan.B, T=plan.T, H=plan.H, Hk=plan.Hk, K=plan.K, V=plan.V,
+                          N=plan.N),
+            "dtype": short, "mode": mode, "gates": gates, "archs": [f"sm_{a}" for a in archs],
+            "alignment_hints": hints, "launches": launches,
+            "workspace_bytes": workspace_bytes(plan, phases[1][1]),
+            "lower_bound_us": bounds, "lower_bound_target": bound_target,
+            "peaks": {"tensor_core_flops": PEAK_TC_FLOPS, "tf32_flops": PEAK_TF32_FLOPS,
+                      "fp32_flops": PEAK_FP32_FLOPS, "hbm_bytes_per_s": PEAK_HBM_BYTES},
+            "versions": _versions()}
+
+
+def markdown(rep: dict) -> str:
+    """A markdown table of a report, for BENCHMARKS.md."""
+    s = rep["shape"]
+    lines = [f"`bridge.aot --report` mode={rep['mode']} gates={rep['gates']} dtype={rep['dtype']} "
+             f"(B,T,H,K,V)=({s['B']},{s['T']},{s['H']},{s['K']},{s['V']}); triton "
+             f"{rep['versions']['triton']}. Lower bound: H100 SXM roofline "
+             f"({rep['lower_bound_target']} PTX), workspace "
+             f"{rep['workspace_bytes'] / 2**20:.1f} MiB.", "",
+             "| phase | kernel | target | grid | warps/stages | regs | spill B | smem KiB "
+             "| mma | wgmma | types | GFLOP | MB | bound us |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rep["launches"]:
+        shared = "-" if r["shared"] is None else f"{r['shared'] / 1024:.1f}"
+        lines.append(f"| {r['phase']} | `{r['kernel']}` | {r['target']} | "
+                     f"{'x'.join(map(str, r['grid']))} | {r['num_warps']}/{r['num_stages']} | "
+                     f"{r['n_regs']} | {r['n_spills']} | {shared} | {r['mma']} | {r['wgmma']} | "
+                     f"{','.join(r['mma_types']) or '-'} | {r['dot_flops'] / 1e9:.2f} | "
+                     f"{r['bytes'] / 1e6:.1f} | {r['lower_bound_us']:.1f} |")
+    b = rep["lower_bound_us"]
+    lines += ["", f"Lower bound (us): fwd {b['fwd']:.1f}, bwd {b['bwd']:.1f}, "
+                  f"total {b['total']:.1f}."]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- command line
+
 def _stages(families, plan):
-    """(stage, launches) of each family's forward and backward lists for `plan`."""
+    """(stage, launches, dtypes) of each family's forward and backward lists for
+    `plan`; a buffer the forward writes keeps its dtype in the backward."""
     for fam in families:
-        yield "fwd", fam.forward_launches(plan)
-        yield "bwd", fam.backward_launches(plan, use_dht=True)
-        yield "bwd-nodht", fam.backward_launches(plan, False)
+        lists = [("fwd", fam.forward_launches(plan)),
+                 ("bwd", fam.backward_launches(plan, use_dht=True)),
+                 ("bwd-nodht", fam.backward_launches(plan, False))]
+        dtypes = _Float32Default(tensor_dtypes(plan, [ls for _, ls in lists], gamma_like_q=True))
+        for stage, launches in lists:
+            yield stage, launches, dtypes
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--json")
-    ap.add_argument("--family", choices=("fused_recurrent", "chunk", "all"),
-                    default="fused_recurrent",
-                    help="which kernel family's launch lists to build")
-    args = ap.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        sys.exit("bridge.aot: run with TRITON_INTERPRET=0 (the interpreter has no compiler)")
-    os.environ.setdefault("TRITON_INTERPRET", "0")
+def _ints(text):
+    return [int(x) for x in str(text).replace("sm_", "").split(",") if x]
+
+
+def _variant_mode(args, arch):
     from .kernels import chunk, fused_recurrent
 
     families = {"fused_recurrent": [fused_recurrent], "chunk": [chunk],
                 "all": [fused_recurrent, chunk]}[args.family]
     rows, failed, built = [], 0, set()
     for label, plan in _variants():
-        for stage, launches in _stages(families, plan):
+        for stage, launches, dtypes in _stages(families, plan):
             if stage == "bwd-nodht" and label not in ("plain", "all-float32"):
                 continue
             for launch in launches:
-                # a kernel two families share (the combine pass) is built once per variant
-                key = (label, stage, launch.kernel.__name__,
-                       repr(sorted(launch.constexprs.items())))
+                # a kernel variant (its constexprs, warps and argument dtypes) is built
+                # once, whichever plan or family asked for it first
+                key = (launch.kernel.__name__, repr(sorted(launch.constexprs.items())),
+                       launch.num_warps, plan.dtype,
+                       tuple(dtypes[n] if n else plan.dtype for n in launch.inputs))
                 if key in built:
                     continue
                 built.add(key)
                 row = dict(variant=label, stage=stage, kernel=launch.kernel.__name__,
-                           arch=args.arch)
+                           arch=arch)
                 t0 = time.time()
                 try:
-                    row.update(compile_launch(launch, plan, args.arch))
-                    row["ok"] = row["shared"] <= SMEM_LIMIT.get(args.arch, 99 * 1024)
+                    row.update(compile_launch(launch, plan, arch, bool(args.hints), dtypes))
+                    row["ok"] = row["shared"] <= SMEM_LIMIT.get(arch, 99 * 1024)
                 except Exception as e:  # report every failure, keep going
                     row.update(ok=False, error=f"{type(e).__name__}: {e}"[:500])
                 row["seconds"] = round(time.time() - t0, 2)
                 failed += not row["ok"]
                 rows.append(row)
                 print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-    if args.json:
+    return rows, failed
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", action="append", type=_ints,
+                    help="CUDA arch, repeatable or a list (80,90); default 90, "
+                         "with --report 80 and 90")
+    ap.add_argument("--json", nargs="?", const="-",
+                    help="write JSON to PATH (no PATH with --report: to stdout)")
+    ap.add_argument("--family", choices=("fused_recurrent", "chunk", "all"),
+                    default="fused_recurrent",
+                    help="which kernel family's launch lists to build")
+    ap.add_argument("--hints", action=argparse.BooleanOptionalAction, default=None,
+                    help="compile with the alignment hints a real launch gets (16-byte "
+                         "pointers, ints divisible by 16); default: on with --report, off "
+                         "for the variants (their tests' known spills were measured so)")
+    ap.add_argument("--report", action="store_true",
+                    help="report one call's launches (shape, dtype, mode) instead")
+    ap.add_argument("--shape", type=_ints, default=[8, 4096, 16, 128, 128], help="B,T,H,K,V")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    ap.add_argument("--mode", choices=("chunk", "fused_recurrent"), default="chunk")
+    ap.add_argument("--gates", choices=tuple(GATES), default="key",
+                    help="key: GLA's g [B,T,H,K]; head: g [B,T,H]; gamma: g_gamma [H]; "
+                         "all: g, gk, gv and g_gamma")
+    ap.add_argument("--ptx-dir", help="write <kernel>.<phase>.sm_<arch>.<dtype>.ptx here")
+    ap.add_argument("--markdown", action="store_true", help="print a markdown table")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        sys.exit("bridge.aot: run with TRITON_INTERPRET=0 (the interpreter has no compiler)")
+    os.environ.setdefault("TRITON_INTERPRET", "0")
+    archs = [a for group in args.arch or [] for a in group]
+
+    if args.report:
+        if len(args.shape) != 5:
+            ap.error("--shape takes B,T,H,K,V")
+        archs = archs or [80, 90]
+        rep = report(args.shape, args.dtype, args.mode, archs, args.gates, args.ptx_dir,
+                     hints=args.hints is not False,
+                     log=lambda s: print(s, file=sys.stderr, flush=True))
+        text = json.dumps(rep, indent=1)
+        if args.json and args.json != "-":
+            with open(args.json, "w") as f:
+                f.write(text)
+        elif args.json:
+            print(text, flush=True)
+        if args.markdown or not args.json:
+            print(markdown(rep), flush=True)
+        failed = [r for r in rep["launches"] if "error" in r
+                  or r["shared"] > SMEM_LIMIT.get(int(r["target"][3:]), 99 * 1024)]
+        return 1 if failed else 0
+
+    rows, failed = [], 0
+    for arch in archs or [90]:
+        r, f = _variant_mode(args, arch)
+        rows += r
+        failed += f
+    if args.json and args.json != "-":
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    elif args.json:
+        print(json.dumps(rows, indent=1))
     print(f"{len(rows) - failed} built, {failed} failed", flush=True)
     return 1 if failed else 0
 

@@ -248,17 +248,37 @@ def route(platform, mode, platforms, native: str, gpu: bool, tpu: bool = False) 
     return platform
 
 
-# mode="auto" with the Triton kernels: the fused recurrent kernel up to this many
-# time steps (decoding, short prompts), the chunked kernels beyond. fla makes the
-# same split; the GPU crossover is not measured yet (no GPU lent), see README.
-FUSED_MAX_T = 64
+# mode="auto" with the Triton kernels: a cost rule over the two things that set
+# a small call's time on a GPU, launches and sequential steps per program.
+# The fused recurrent kernel is one launch whose programs walk every token of a
+# sequence (a rank-1 state update a step); the chunked forward is three
+# launches whose only sequential part, the state pass, walks one 64-token chunk
+# (a 64x64 matmul) a step. The constants are estimates (microseconds on an
+# H100-class GPU, not measured here: no GPU has been lent to this project);
+# they put the crossover near 80 tokens a sequence.
+LAUNCH_US = 4.0        # launch and Triton dispatch overhead
+FUSED_STEP_US = 0.12   # one token of the fused recurrence
+CHUNK_STEP_US = 1.5    # one 64-token chunk of the state pass
+CHUNK_LEN = 64
+LAUNCHES = {"fused_recurrent": 1, "chunk": 3}
+
+
+def kernel_costs(plan: Plan) -> dict:
+    """Estimated forward cost (us) of each Triton family for this call. The
+    sequence length is T, or the mean length total/N with cu_seqlens (the
+    lengths may be traced, so the longest is not known)."""
+    L = plan.T if not plan.varlen else -(-plan.T // max(plan.N, 1))
+    return {"fused_recurrent": LAUNCHES["fused_recurrent"] * LAUNCH_US + L * FUSED_STEP_US,
+            "chunk": LAUNCHES["chunk"] * LAUNCH_US + -(-L // CHUNK_LEN) * CHUNK_STEP_US}
 
 
 def kernel_mode(mode: str, plan: Plan) -> str:
-    """Resolve the Triton kernel family: "chunk" or "fused_recurrent"."""
+    """Resolve the Triton kernel family: "chunk" or "fused_recurrent" (for
+    mode="auto", the cheaper by `kernel_costs`; the fused kernel on a tie)."""
     if mode != "auto":
         return mode
-    return "fused_recurrent" if plan.T <= FUSED_MAX_T else "chunk"
+    cost = kernel_costs(plan)
+    return "fused_recurrent" if cost["fused_recurrent"] <= cost["chunk"] else "chunk"
 
 
 def check_lightning(H: int, layer_idx, num_layers) -> None:

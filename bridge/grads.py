@@ -3,7 +3,7 @@
 Written with `.reshape` and `.sum(axis)` only, so torch tensors and jax arrays
 both pass through. Buffers (batched layout): dq, dk_h, dv_h per query head
 [B,T,H,*]; da [B,T,H,K] (gradient of the summed log decay over K), dg_head
-[B,T,H], db [B,T,H,V], dgamma [N,H], d_initial_state [N,H,K,V].
+[B,T,H] (or partial sums [NK,B,T,H]), db [B,T,H,V], dgamma [N,H], d_initial_state [N,H,K,V].
 """
 
 
@@ -26,8 +26,9 @@ def assemble(plan, env) -> dict:
            "v": _per_kv_head(env["dv_h"], plan)}
     if plan.g == "key":
         out["g"] = env["da"]
-    elif plan.g == "head":
-        out["g"] = env["dg_head"]
+    elif plan.g == "head":  # chunk mode gives it per K block: [NK,B,T,H]
+        dg = env["dg_head"]
+        out["g"] = dg.sum(0) if len(dg.shape) == 4 else dg
     if plan.gk:
         out["gk"] = env["da"]
     if plan.gv:

@@ -211,12 +211,41 @@ def test_route_errors(platform, mode, exc, start):
         contract.route(platform, mode, ("auto", "triton", "xla", "pallas"), "xla", gpu=False)
 
 
+def _plan(T, seqlens=None):
+    if seqlens is None:
+        q = np.zeros((1, T, 2, 8), np.float32)
+        return contract.check(q, q, q)
+    q = np.zeros((sum(seqlens), 2, 8), np.float32)
+    return contract.check(q, q, q, cu_seqlens=np.cumsum((0,) + tuple(seqlens)))
+
+
+def _crossover():
+    """The smallest T the cost rule gives to the chunked kernels, by closed form:
+    LAUNCH * 1 + T * FUSED_STEP > LAUNCH * 3 + ceil(T / 64) * CHUNK_STEP."""
+    T = 1
+    while (contract.LAUNCH_US + T * contract.FUSED_STEP_US
+           <= 3 * contract.LAUNCH_US + -(-T // 64) * contract.CHUNK_STEP_US):
+        T += 1
+    return T
+
+
 @pytest.mark.parametrize("mode,T,want", [
-    ("auto", 1, "fused_recurrent"), ("auto", contract.FUSED_MAX_T, "fused_recurrent"),
-    ("auto", contract.FUSED_MAX_T + 1, "chunk"), ("chunk", 1, "chunk"),
-    ("fused_recurrent", 4096, "fused_recurrent"),
+    ("auto", 1, "fused_recurrent"), ("auto", 64, "fused_recurrent"),
+    ("auto", 4096, "chunk"), ("chunk", 1, "chunk"), ("fused_recurrent", 4096, "fused_recurrent"),
 ])
-def test_kernel_mode_splits_at_the_crossover(mode, T, want):
-    q = np.zeros((1, T, 2, 8), np.float32)
-    plan = contract.check(q, q, q, None, None, None, None, None, None, False, None)
-    assert contract.kernel_mode(mode, plan) == want
+def test_kernel_mode_by_cost(mode, T, want):
+    assert contract.kernel_mode(mode, _plan(T)) == want
+
+
+def test_kernel_mode_crossover_follows_the_cost_rule():
+    T = _crossover()
+    assert 64 < T < 200  # decoding and short prompts stay fused
+    assert contract.kernel_mode("auto", _plan(T - 1)) == "fused_recurrent"
+    assert contract.kernel_mode("auto", _plan(T)) == "chunk"
+
+
+def test_kernel_mode_varlen_uses_the_mean_length():
+    """Many short packed sequences (decoding a batch) stay fused although the
+    total is long; a few long ones go to the chunked kernels."""
+    assert contract.kernel_mode("auto", _plan(0, seqlens=[4] * 256)) == "fused_recurrent"
+    assert contract.kernel_mode("auto", _plan(0, seqlens=[1500, 2596])) == "chunk"

@@ -4,8 +4,8 @@
 CPU), "torch" (the chunked algorithm in plain torch ops), or "auto" (Triton on
 CUDA tensors, torch on CPU tensors, except that mode="fused_recurrent" on CPU
 means the interpreted Triton kernel). `mode`: "fused_recurrent", "chunk" or
-"auto" (Triton kernels only: fused recurrent up to `contract.FUSED_MAX_T` steps, chunked
-beyond; the torch platform is chunked).
+"auto" (Triton kernels only: the cheaper family by `contract.kernel_costs`, fused
+recurrent for short sequences and decoding; the torch platform is chunked).
 """
 
 import torch

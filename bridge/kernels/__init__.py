@@ -6,6 +6,10 @@ imported. So the choice is made here, before anything imports triton: with no
 active GPU driver (Triton's own test: torch sees no CUDA/ROCm device), the
 kernels run in Triton's interpreter on CPU tensors. Set TRITON_INTERPRET
 yourself before importing anything to force either way.
+
+When interpreting, `interpreter.install()` then patches Triton's interpreter
+for its known bugs (bf16 `tl.dot`); see bridge/kernels/interpreter.py. The
+kernels themselves are never duplicated for the interpreter.
 """
 
 import os
@@ -27,6 +31,11 @@ if "TRITON_INTERPRET" not in os.environ and not TRITON_PREIMPORTED and not _gpu_
     os.environ["TRITON_INTERPRET"] = "1"
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+if INTERPRETED:
+    from . import interpreter as _interpreter
+
+    _interpreter.install()
 
 
 def family(mode: str):

@@ -1,282 +1,208 @@
-"""Chunked Triton kernels (mode="chunk"): the sequence is cut into blocks of
-BT = 16 tokens in processing order (backwards with `reverse`); inside a block
-the work is matrix products (tl.dot, fp32 "ieee"), between blocks the fp32
-state [K, BV] is carried in registers by one program per (value block,
-sequence x head).
+"""mode="chunk": the launch plans of the chunked kernels (chunk_fwd.py, chunk_bwd.py).
 
-Precision (strong gates, e.g. -5..-10 a step): with A_t, B_t the cumulative
-log decays over K and V from the block start (inclusive, <= 0 and falling),
-every factor is exp of a non-positive number: exp(A_t) from the block start,
-exp(A_e - A_t) to the block end e, exp(A_t - A_j) for j < t; the last is
-built one source column j at a time, so no running sum over more than 16
-steps is ever differenced and nothing overflows.
+Forward: the state pass stores h at every chunk start, then two parallel
+launches build the intra-chunk matrix A and the output. Backward: h and A are
+recomputed (nothing but the inputs and the final state is kept from the
+forward), the state pass runs backwards for dh, then parallel launches give
+dA, dv and dq/dk with the gate gradients from chunk-local reverse sums plus one
+carried term per chunk; see chunk_bwd.py.
 
-The quantities are those of fused_recurrent.py's docstring (same notation):
-  forward      o_t  = scale q_t S_t,
-  DQ pass      dq'_t = scale S~_t do_t and o'_t = scale q_t S~_t (for gv),
-  reverse pass dk'_t = dS~_t v_t, dv'_t = k_t dS~_t, d(initial_state),
-and fused_recurrent's combine kernel turns them into dq, dk, dv and the
-gate gradients (reverse cumulative sums with the step's own q.k term left out).
-
-Layout: every tensor is [B, T, H, *] contiguous; `rows` are flat token
-indices b*T + t (or packed indices with cu_seqlens), gathered per block so
-that reverse and varlen need no copies. Masked rows read as 0 (gates 0 too)
-and are never stored.
-
-All matmul operands are fp32 (gated products are fp32 anyway), which also
-keeps the interpreter's broken bf16 tl.dot out of every path.
+Config (fixed, the same for the interpreter, torch and JAX launches, so that
+every path runs one variant): chunks of BT = 64 tokens, sub-chunks BC = 16,
+K and V blocks of up to 64; warps per kernel from `warps` (chosen with
+`python -m bridge.aot --report`).
+fp32 inputs take exact ("ieee") products; GLA_BRIDGE_TF32=1 opts into tf32.
+States h/dh are stored in bf16 for bf16 inputs (they are bf16 dot operands
+anyway), in fp32 otherwise (fp16's range is too small for a state).
 """
 
-import triton
-import triton.language as tl
+import os
 
 from ..launch import Launch, Out
-from .common import flags as _flags, gate_inputs as _gate_inputs, head_gamma as _gamma, seq_bounds as _bounds
-from .fused_recurrent import three_pass_backward
+from .chunk_bwd import chunk_dA_kernel, chunk_dgamma_kernel, chunk_dqk_kernel, chunk_dv_kernel
+from .common import check_k, flags, gate_inputs, key_gated, next_pow2
+from .chunk_fwd import chunk_intra_kernel, chunk_output_kernel, chunk_state_kernel
 
-MAX_K = 256
-BT = 16  # block length: cumulative gates span at most 16 steps
-
-
-@triton.jit
-def _block_rows(bos, eos, p0, BT: tl.constexpr, REVERSE: tl.constexpr):
-    """Token rows [BT] of processing positions p0..p0+BT-1 and their mask
-    (masked rows point at bos so every address stays in bounds)."""
-    p = p0 + tl.arange(0, BT)
-    mask = p < (eos - bos)
-    if REVERSE:
-        rows = eos - 1 - p
-    else:
-        rows = bos + p
-    return tl.where(mask, rows, bos), mask
+BT = 64  # chunk length
+BC = 16  # sub-chunk length: no exponent differences two sums over more steps
 
 
-@triton.jit
-def _load_tile(x, rows, i_h, o_d, mask_t, mask_d, HX: tl.constexpr, D: tl.constexpr):
-    """x[rows, i_h, o_d] as fp32 [BT, BD], zeros where masked."""
-    ptr = x + (rows[:, None] * HX + i_h) * D + o_d[None, :]
-    return tl.load(ptr, mask=mask_t[:, None] & mask_d[None, :], other=0.).to(tl.float32)
+def warps(name: str, plan) -> int:
+    """Warps of each kernel: the fewest with which it builds without register
+    spills for sm_80 and sm_90 at K = V = 64 and 128 (`bridge.aot --report`,
+    gates key and all). Not monotone in warps (ptxas), hence per dtype and gv:
+    fp32 products are FMA loops (no MMA) and need more threads; gv adds the
+    sub-chunk pair paths; the state pass keeps 4 where its 64-row products can
+    use wgmma (sm_90 needs a multiple of 4 warps)."""
+    fp32, gv = plan.dtype == "float32", plan.gv
+    if name == "chunk_state_kernel":
+        return 8 if fp32 else 4
+    if name == "chunk_output_kernel":
+        return 8 if fp32 or gv else 4
+    if name == "chunk_dv_kernel":
+        return 4 if fp32 and not gv else 8
+    if name == "chunk_dqk_kernel":
+        return 4 if plan.dtype == "float16" and not gv else 8
+    return {"chunk_intra_kernel": 2, "chunk_dA_kernel": 8}[name]
 
 
-@triton.jit
-def _cum_gates(g, gk, gv, gamma, rows, mask_t, i_h, o_k, mask_k, o_v, mask_v,
-               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               G_MODE: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr,
-               GAMMA_MODE: tl.constexpr):
-    """Inclusive cumulative log decays in the block: A [BT, BK], B [BT, BV],
-    and their block totals A_e [BK], B_e [BV] (masked rows add 0)."""
-    a = tl.zeros([BT, BK], dtype=tl.float32)
-    if G_MODE == 1:
-        a += tl.load(g + rows * H + i_h, mask=mask_t, other=0.).to(tl.float32)[:, None]
-    if G_MODE == 2:
-        a += _load_tile(g, rows, i_h, o_k, mask_t, mask_k, H, K)
-    if USE_GK:
-        a += _load_tile(gk, rows, i_h, o_k, mask_t, mask_k, H, K)
-    if GAMMA_MODE > 0:
-        a += tl.where(mask_t, gamma, 0.)[:, None]
-    b = tl.zeros([BT, BV], dtype=tl.float32)
-    if USE_GV:
-        b += _load_tile(gv, rows, i_h, o_v, mask_t, mask_v, H, V)
-    return tl.cumsum(a, axis=0), tl.cumsum(b, axis=0), tl.sum(a, axis=0), tl.sum(b, axis=0)
-
-
-@triton.jit
-def _row(x, o_t, j):
-    """Row j of a [BT, D] register tile, as [D] (exact: the other rows add 0)."""
-    return tl.sum(tl.where((o_t == j)[:, None], x, 0.), axis=0)
-
-
-@triton.jit
-def chunk_fwd_kernel(
-    q, k, v, g, gk, gv, g_gamma, h0, cu_seqlens, do,
-    scale, T,
-    o, ht, dq, odo,
-    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-    G_MODE: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr, GAMMA_MODE: tl.constexpr,
-    USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr, DQ: tl.constexpr,
-):
-    """Forward over blocks. DQ=False: o [B,T,H,V], ht [N,H,K,V]. DQ=True
-    (backward pass 1): dq' partials [B,T,H,NV,K] and, with gv, o'*do
-    [B,T,H,V] in fp32."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    i_hk = i_h // (H // HK)
-    bos, eos = _bounds(cu_seqlens, i_n, T, IS_VARLEN)
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    mask_k, mask_v = o_k < K, o_v < V
-    mask_h = mask_k[:, None] & mask_v[None, :]
-    gamma = _gamma(g_gamma, i_n, i_h, H, GAMMA_MODE)
-
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        b_h += tl.load(h0 + (i_nh * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :],
-                       mask=mask_h, other=0.).to(tl.float32)
-    for p0 in range(0, eos - bos, BT):
-        rows, mask_t = _block_rows(bos, eos, p0, BT, REVERSE)
-        b_q = _load_tile(q, rows, i_h, o_k, mask_t, mask_k, H, K)
-        b_k = _load_tile(k, rows, i_hk, o_k, mask_t, mask_k, HK, K)
-        b_v = _load_tile(v, rows, i_hk, o_v, mask_t, mask_v, HK, V)
-        A, B, A_e, B_e = _cum_gates(g, gk, gv, gamma, rows, mask_t, i_h, o_k, mask_k, o_v,
-                                    mask_v, H, K, V, BT, BK, BV, G_MODE, USE_GK, USE_GV,
-                                    GAMMA_MODE)
-        e_A, e_B = tl.exp(A), tl.exp(B)
-        # the state carried in from earlier blocks
-        b_o = tl.dot(b_q * e_A, b_h, input_precision="ieee") * e_B * scale
-        if DQ:
-            b_do = _load_tile(do, rows, i_h, o_v, mask_t, mask_v, H, V)
-            b_dq = tl.dot(b_do * e_B, tl.trans(b_h), input_precision="ieee") * e_A * scale
-        # inside the block, one source column j at a time (exponents A_t - A_j <= 0);
-        # the primed quantities leave out the step's own token (t > j), o keeps it (t >= j)
-        for j in range(0, BT):
-            if DQ:
-                causal = (o_t > j)[:, None]
-            else:
-                causal = (o_t >= j)[:, None]
-            k_j, v_j = _row(b_k, o_t, j), _row(b_v, o_t, j)
-            d_A = tl.exp(tl.where(causal, A - _row(A, o_t, j)[None, :], 0.))
-            d_B = tl.exp(tl.where(causal, B - _row(B, o_t, j)[None, :], 0.))
-            if DQ:
-                c = tl.sum(tl.where(causal, d_B * v_j[None, :] * b_do, 0.), axis=1)
-                b_dq += (scale * c)[:, None] * k_j[None, :] * d_A
-            if (not DQ) or USE_GV:
-                s = tl.sum(tl.where(causal, b_q * k_j[None, :] * d_A, 0.), axis=1)
-                b_o += (scale * s)[:, None] * v_j[None, :] * d_B
-        if DQ:
-            tl.store(dq + ((rows[:, None] * H + i_h) * NV + i_v) * K + o_k[None, :], b_dq,
-                     mask=mask_t[:, None] & mask_k[None, :])
-            if USE_GV:
-                tl.store(odo + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o * b_do,
-                         mask=mask_t[:, None] & mask_v[None, :])
-        else:
-            tl.store(o + (rows[:, None] * H + i_h) * V + o_v[None, :],
-                     b_o.to(o.dtype.element_ty), mask=mask_t[:, None] & mask_v[None, :])
-        # state at the block end: exponents A_e - A_t <= 0
-        b_kd = b_k * tl.exp(A_e[None, :] - A)
-        b_vd = b_v * tl.exp(B_e[None, :] - B)
-        b_h = (b_h * tl.exp(A_e)[:, None] * tl.exp(B_e)[None, :]
-               + tl.dot(tl.trans(b_kd), b_vd, input_precision="ieee"))
-    if not DQ:
-        tl.store(ht + (i_nh * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :], b_h, mask=mask_h)
-
-
-@triton.jit
-def chunk_bwd_dkv_kernel(
-    q, k, v, g, gk, gv, g_gamma, ht, cu_seqlens, do, dht,
-    scale, T,
-    dk, dv, dh0, dfa, dfb,
-    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-    G_MODE: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr, GAMMA_MODE: tl.constexpr,
-    USE_H0: tl.constexpr, USE_DHT: tl.constexpr, IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr,
-    FINAL_TERMS: tl.constexpr,
-):
-    """Backward pass 2, blocks from last to first carrying C = dS~ at the
-    block end: dk' partials [B,T,H,NV,K], dv' per query head [B,T,H,V],
-    dh0 [N,H,K,V]; with FINAL_TERMS the final-state gate terms
-    sum_j dS_T*S_T [N,H,NV,K] and sum_i dS_T*S_T [N,H,V]."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    i_hk = i_h // (H // HK)
-    bos, eos = _bounds(cu_seqlens, i_n, T, IS_VARLEN)
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    mask_k, mask_v = o_k < K, o_v < V
-    mask_h = mask_k[:, None] & mask_v[None, :]
-    p_state = (i_nh * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
-    gamma = _gamma(g_gamma, i_n, i_h, H, GAMMA_MODE)
-
-    b_c = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
-        b_c += tl.load(dht + p_state, mask=mask_h, other=0.).to(tl.float32)
-        if FINAL_TERMS:
-            b_last = b_c * tl.load(ht + p_state, mask=mask_h, other=0.)
-            if (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0):
-                tl.store(dfa + (i_nh * NV + i_v) * K + o_k, tl.sum(b_last, axis=1), mask=mask_k)
-            if USE_GV:
-                tl.store(dfb + i_nh * V + o_v, tl.sum(b_last, axis=0), mask=mask_v)
-    nb = tl.cdiv(eos - bos, BT)
-    for ib in range(0, nb):
-        rows, mask_t = _block_rows(bos, eos, (nb - 1 - ib) * BT, BT, REVERSE)
-        b_q = _load_tile(q, rows, i_h, o_k, mask_t, mask_k, H, K)
-        b_k = _load_tile(k, rows, i_hk, o_k, mask_t, mask_k, HK, K)
-        b_v = _load_tile(v, rows, i_hk, o_v, mask_t, mask_v, HK, V)
-        b_do = _load_tile(do, rows, i_h, o_v, mask_t, mask_v, H, V)
-        A, B, A_e, B_e = _cum_gates(g, gk, gv, gamma, rows, mask_t, i_h, o_k, mask_k, o_v,
-                                    mask_v, H, K, V, BT, BK, BV, G_MODE, USE_GK, USE_GV,
-                                    GAMMA_MODE)
-        e_Ae = tl.exp(A_e[None, :] - A)
-        e_Be = tl.exp(B_e[None, :] - B)
-        # through the gradient carried in from later blocks
-        b_dk = tl.dot(b_v * e_Be, tl.trans(b_c), input_precision="ieee") * e_Ae
-        b_dv = tl.dot(b_k * e_Ae, b_c, input_precision="ieee") * e_Be
-        # later outputs i > t of this block, one at a time (exponents A_i - A_t <= 0)
-        for i in range(0, BT):
-            earlier = (o_t < i)[:, None]
-            q_i, do_i = _row(b_q, o_t, i), _row(b_do, o_t, i)
-            d_A = tl.exp(tl.where(earlier, _row(A, o_t, i)[None, :] - A, 0.))
-            d_B = tl.exp(tl.where(earlier, _row(B, o_t, i)[None, :] - B, 0.))
-            w = tl.sum(tl.where(earlier, do_i[None, :] * d_B * b_v, 0.), axis=1)
-            b_dk += (scale * w)[:, None] * q_i[None, :] * d_A
-            u = tl.sum(tl.where(earlier, b_k * q_i[None, :] * d_A, 0.), axis=1)
-            b_dv += (scale * u)[:, None] * do_i[None, :] * d_B
-        tl.store(dk + ((rows[:, None] * H + i_h) * NV + i_v) * K + o_k[None, :], b_dk,
-                 mask=mask_t[:, None] & mask_k[None, :])
-        tl.store(dv + (rows[:, None] * H + i_h) * V + o_v[None, :], b_dv,
-                 mask=mask_t[:, None] & mask_v[None, :])
-        # C at the previous block's end: exponents A_t (from this block's start) <= 0
-        b_c = (b_c * tl.exp(A_e)[:, None] * tl.exp(B_e)[None, :]
-               + tl.dot(tl.trans(b_q * tl.exp(A) * scale), b_do * tl.exp(B),
-                        input_precision="ieee"))
-    if USE_H0:
-        tl.store(dh0 + p_state, b_c, mask=mask_h)
-
-
-# ---------------------------------------------------------------- launch plans
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
+DQK_BV = {"float16": 16}
+DQK_BV_DEFAULT = 32
 
 
 def config(plan) -> dict:
-    """Block sizes: all of K in one block (>= 16 for tl.dot), V split so the
-    fp32 state tile holds at most 2048 values; 8 warps from 64x32 tiles on
-    (measured with bridge.aot: 4 warps or 4096-value tiles spill at K = 64)."""
-    if plan.K > MAX_K:
-        raise ValueError(f"q: mode='chunk' supports K <= {MAX_K}, got K={plan.K}")
-    BK = max(16, _next_pow2(plan.K))
-    BV = max(16, min(_next_pow2(plan.V), 2048 // BK))
-    NV = -(-plan.V // BV)
-    return dict(BT=BT, BK=BK, BV=BV, NV=NV, BVF=_next_pow2(plan.V),
-                num_warps=8 if BK * BV >= 2048 or BK >= 128 else 4)
+    check_k(plan, "chunk")
+    BK = min(64, max(16, next_pow2(plan.K)))
+    BV = min(64, max(16, next_pow2(plan.V)))
+    return dict(BT=BT, BC=BC, BK=BK, BV=BV, NK=-(-plan.K // BK), NV=-(-plan.V // BV))
+
+
+def slots(plan) -> int:
+    """Chunk slots of the per-chunk buffers (see common.first_slot): a static bound."""
+    if plan.varlen:
+        return plan.T // BT + plan.N
+    return plan.B * -(-plan.T // BT)
+
+
+def dot_precision() -> str:
+    return "tf32" if os.environ.get("GLA_BRIDGE_TF32", "0") == "1" else "ieee"
+
+
+def _state_dtype(plan) -> str:
+    return "like:q" if plan.dtype == "bfloat16" else "float32"
+
+
+def _size(plan) -> int:
+    return {"float32": 4, "float64": 8}.get(plan.dtype, 2)
+
+
+def _only(kernel, consts: dict) -> dict:
+    """The constexprs among `consts` that `kernel` takes."""
+    return {n: x for n, x in consts.items() if n in kernel.arg_names}
+
+
+def _consts(plan, c) -> dict:
+    return dict(flags(plan), BT=BT, BC=BC, BK=c["BK"], BV=c["BV"], USE_H0=plan.initial_state,
+                LOG_N=max(1, int(plan.N).bit_length()), DOT_PREC=dot_precision())
+
+
+def _launch(plan, kernel, grid, inputs, scalars, outputs, consts, flops=0, nbytes=0, **extra):
+    return Launch(kernel, grid=grid, inputs=inputs, scalars=scalars, outputs=outputs,
+                  constexprs=_only(kernel, dict(consts, **extra)),
+                  num_warps=warps(kernel.__name__, plan), dot_flops=int(flops), bytes=int(nbytes))
+
+
+def state_launch(plan, backward: bool, use_s_in: bool, store_out: bool) -> Launch:
+    """The sequential pass: h at chunk starts + final state (forward), or dh at
+    chunk ends + d(initial_state) (backward)."""
+    c = config(plan)
+    B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
+    ns, isz = slots(plan), _size(plan)
+    ssz = isz if _state_dtype(plan) != "float32" else 4
+    gates = gate_inputs(plan)
+    cu = "cu_seqlens" if plan.varlen else None
+    if backward:
+        inputs = ("q", "do", *gates, "dfinal_state" if use_s_in else None, cu)
+        outputs = (Out("dh", (ns, H, K, V), _state_dtype(plan)),
+                   Out("d_initial_state", (N, H, K, V)) if store_out else None)
+        heads = H
+    else:
+        inputs = ("k", "v", *gates, "initial_state" if use_s_in else None, cu)
+        outputs = (Out("h", (ns, H, K, V), _state_dtype(plan)),
+                   Out("final_state", (N, H, K, V)) if store_out else None)
+        heads = plan.Hk
+    nbytes = (B * T * heads * (K + V) * isz + ns * H * K * V * ssz + 2 * N * H * K * V * 4)
+    return _launch(plan, chunk_state_kernel, (c["NK"], c["NV"], N * H), inputs, (plan.scale, T),
+                   outputs, _consts(plan, c), flops=2 * ns * BT * H * K * V, nbytes=nbytes,
+                   USE_S_IN=use_s_in, STORE_OUT=store_out, BACKWARD=backward)
+
+
+def intra_launch(plan) -> Launch:
+    c = config(plan)
+    B, T, H, K = plan.B, plan.T, plan.H, plan.K
+    ns, nc = slots(plan), BT // BC
+    return _launch(plan, chunk_intra_kernel, (ns * nc, H),
+                   ("q", "k", "g" if plan.g != "none" else None, "gk" if plan.gk else None,
+                    "g_gamma" if plan.g_gamma != "none" else None,
+                    "cu_seqlens" if plan.varlen else None),
+                   (plan.scale, T, plan.N), (Out("A", (B, T, H, BT)),), _consts(plan, c),
+                   flops=2 * ns * H * BC * BC * K * nc * (nc - 1) // 2,
+                   nbytes=B * T * (H + plan.Hk) * K * _size(plan) + B * T * H * BT * 4)
+
+
+def output_launch(plan, prime: bool = False) -> Launch:
+    """o (prime=False), or o'*do in fp32 for the gv gate gradient (prime=True)."""
+    c = config(plan)
+    B, T, H, K, V = plan.B, plan.T, plan.H, plan.K, plan.V
+    ns, isz = slots(plan), _size(plan)
+    out = Out("odo", (B, T, H, V)) if prime else Out("o", (B, T, H, V), "like:q")
+    ssz = isz if _state_dtype(plan) != "float32" else 4
+    nbytes = (B * T * (H * K + plan.Hk * V + H * V * (2 if prime else 1)) * isz
+              + B * T * H * BT * 4 + ns * H * K * V * ssz)
+    return _launch(plan, chunk_output_kernel, (ns, c["NV"], H),
+                   ("q", "v", *gate_inputs(plan), "A", "h",
+                    "cu_seqlens" if plan.varlen else None, "do" if prime else None),
+                   (plan.scale, T, plan.N), (out,), _consts(plan, c),
+                   flops=2 * ns * BT * H * V * (K + BT), nbytes=nbytes, PRIME=prime)
 
 
 def forward_launches(plan) -> list:
-    """Reads q, k, v, [g, gk, gv, g_gamma, initial_state, cu_seqlens];
-    writes o [B,T,H,V] (q's dtype) and final_state [N,H,K,V] fp32."""
-    c = config(plan)
-    B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
-    return [Launch(
-        chunk_fwd_kernel, grid=(c["NV"], N * H),
-        inputs=("q", "k", "v", *_gate_inputs(plan),
-                "initial_state" if plan.initial_state else None,
-                "cu_seqlens" if plan.varlen else None, None),
-        scalars=(plan.scale, T),
-        outputs=(Out("o", (B, T, H, V), "like:q"), Out("final_state", (N, H, K, V)), None, None),
-        constexprs=dict(_flags(plan), BT=c["BT"], BK=c["BK"], BV=c["BV"], NV=c["NV"],
-                        USE_H0=plan.initial_state, DQ=False),
-        num_warps=c["num_warps"])]
+    """Reads q, k, v, [g, gk, gv, g_gamma, initial_state, cu_seqlens]; writes
+    o [B,T,H,V] (q's dtype) and final_state [N,H,K,V] fp32 (h, A on the way)."""
+    return [state_launch(plan, backward=False, use_s_in=plan.initial_state, store_out=True),
+            intra_launch(plan), output_launch(plan)]
 
 
 def backward_launches(plan, use_dht: bool) -> list:
     """Reads the forward inputs, final_state, do [B,T,H,V] and (use_dht)
-    dfinal_state [N,H,K,V]; writes the fp32 buffers bridge.grads reads. The
-    per-token combine and reverse cumulative gate sums are fused_recurrent's."""
+    dfinal_state [N,H,K,V]; writes the buffers bridge.grads reads."""
     c = config(plan)
-    return three_pass_backward(plan, use_dht, chunk_fwd_kernel, chunk_bwd_dkv_kernel,
-                               dict(BT=c["BT"], BK=c["BK"], BV=c["BV"], NV=c["NV"]),
-                               c["num_warps"], combine_bk=_next_pow2(plan.K), bvf=c["BVF"])
+    B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
+    ns, nc, isz = slots(plan), BT // BC, _size(plan)
+    consts = _consts(plan, c)
+    gates = gate_inputs(plan)
+    cu = "cu_seqlens" if plan.varlen else None
+    kgate = key_gated(plan)
+    own = plan.group == 1  # per-query-head dk/dv are the gradients themselves
+    ssz = isz if _state_dtype(plan) != "float32" else 4
+    tokens = B * T
+    launches = [state_launch(plan, backward=False, use_s_in=plan.initial_state, store_out=False),
+                intra_launch(plan),
+                state_launch(plan, backward=True, use_s_in=use_dht, store_out=plan.initial_state)]
+    if plan.gv:
+        launches.append(output_launch(plan, prime=True))
+    launches.append(_launch(
+        plan, chunk_dA_kernel, (ns * (nc if plan.gv else 1), H), ("v", "gv" if plan.gv else None, "do", cu),
+        (T, N), (Out("dA", (B, T, H, BT)),), consts,
+        flops=2 * ns * H * BT * BT * V // (2 if plan.gv else 1),
+        nbytes=tokens * (H + plan.Hk) * V * isz + tokens * H * BT * 4))
+    launches.append(_launch(
+        plan, chunk_dv_kernel, (ns, c["NV"], H),
+        ("k", "v", *gates, "A", "h", "dh", "final_state" if plan.gv else None,
+         "odo" if plan.gv else None, cu, "do"),
+        (T, N), (Out("dv_h", (B, T, H, V), "like:v" if own else "float32"),
+                 Out("db", (B, T, H, V)) if plan.gv else None), consts,
+        flops=2 * ns * BT * H * V * (BT + K),
+        nbytes=(tokens * (plan.Hk * K + H * V * 2) * isz + tokens * H * BT * 4
+                + ns * H * K * V * ssz)))
+    launches.append(_launch(
+        plan, chunk_dqk_kernel, (ns, c["NK"], H),
+        ("q", "k", "v", *gates, "h", "dh", "final_state" if kgate else None,
+         "A" if plan.g_gamma != "none" else None, "dA", cu, "do"),
+        (plan.scale, T, N),
+        (Out("dq", (B, T, H, K), "like:q"), Out("dk_h", (B, T, H, K), "like:k" if own else "float32"),
+         Out("da", (B, T, H, K), "like:g" if plan.g == "key" else "like:gk")
+         if plan.g == "key" or plan.gk else None,
+         Out("dg_head", (c["NK"], B, T, H)) if plan.g == "head" else None,
+         Out("dgamma_part", (c["NK"], ns, H)) if plan.g_gamma != "none" else None),
+        dict(consts, BV=min(c["BV"], DQK_BV.get(plan.dtype, DQK_BV_DEFAULT))),
+        flops=2 * ns * BT * H * K * (2 * V + BT),
+        nbytes=(tokens * (2 * H * K + plan.Hk * (K + V) + H * V) * isz + tokens * H * BT * 4
+                + 2 * ns * H * K * V * ssz)))
+    if plan.g_gamma != "none":
+        launches.append(Launch(
+            chunk_dgamma_kernel, grid=(N, H), inputs=("dgamma_part", cu), scalars=(T, ns),
+            outputs=(Out("dgamma", (N, H)),),
+            constexprs=dict(H=H, BT=BT, NK=c["NK"], IS_VARLEN=plan.varlen), num_warps=1,
+            bytes=(c["NK"] * ns + N) * H * 4))
+    return launches

@@ -57,3 +57,112 @@ def gate_inputs(plan) -> tuple:
 def key_gated(plan) -> bool:
     """Whether any decay acts along K (g, gk or g_gamma)."""
     return plan.g != "none" or plan.gk or plan.g_gamma != "none"
+
+
+# ------------------------------------------------------------ chunk layout helpers
+# The chunked kernels cut every sequence into chunks of BT tokens in processing
+# order (backwards with `reverse`). Per-chunk buffers (states h / dh) live in
+# "slots": sequence n's chunks take consecutive slots from first_slot(n). Without
+# cu_seqlens that is n * ceil(T / BT); with it, floor(bos_n / BT) + n, which never
+# overlaps the next sequence's and stays below floor(total / BT) + N: a static
+# bound, so the slot of every chunk is known on the device with no host table.
+
+
+@triton.jit
+def first_slot(cu_seqlens, i_n, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The first chunk slot of sequence i_n (int64)."""
+    if IS_VARLEN:
+        return tl.load(cu_seqlens + i_n).to(tl.int64) // BT + i_n
+    else:
+        return i_n.to(tl.int64) * tl.cdiv(T, BT)
+
+
+@triton.jit
+def slot_chunk(cu_seqlens, i_s, T, N, BT: tl.constexpr, IS_VARLEN: tl.constexpr,
+               LOG_N: tl.constexpr):
+    """(i_n, bos, eos, p0) of the chunk in slot i_s: its sequence, the sequence's
+    token rows and the chunk's first processing position. p0 >= eos - bos marks an
+    unused slot. With
+    cu_seqlens the owner is the last sequence whose first slot is <= i_s (a binary
+    search of LOG_N steps over cu_seqlens)."""
+    if IS_VARLEN:
+        lo = i_s * 0
+        hi = lo + N - 1
+        for _ in range(LOG_N):
+            mid = (lo + hi + 1) // 2
+            ok = tl.load(cu_seqlens + mid).to(tl.int64) // BT + mid <= i_s
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        bos = tl.load(cu_seqlens + lo).to(tl.int64)
+        eos = tl.load(cu_seqlens + lo + 1).to(tl.int64)
+        p0 = (i_s - (bos // BT + lo)) * BT
+        i_n = lo
+    else:
+        nt = tl.cdiv(T, BT)
+        i_n = i_s // nt
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+        p0 = (i_s % nt).to(tl.int64) * BT
+    return i_n, bos, eos, p0
+
+
+@triton.jit
+def block_rows(bos, eos, p0, BT: tl.constexpr, REVERSE: tl.constexpr):
+    """Token rows [BT] of processing positions p0..p0+BT-1 and their mask
+    (masked rows point at bos, so every address stays in bounds)."""
+    p = p0 + tl.arange(0, BT)
+    mask = p < (eos - bos)
+    if REVERSE:
+        rows = eos - 1 - p
+    else:
+        rows = bos + p
+    return tl.where(mask, rows, bos), mask
+
+
+@triton.jit
+def next_rows(bos, eos, p0, BT: tl.constexpr, REVERSE: tl.constexpr):
+    """block_rows shifted one position on, masked to the block: decays loaded on
+    these rows and reverse-summed give sum_{r > s} a_r directly (no difference of
+    two sums, so no cancellation with strong gates)."""
+    rows, mask = block_rows(bos, eos, p0 + 1, BT, REVERSE)
+    return rows, mask & (tl.arange(0, BT) < BT - 1)
+
+
+@triton.jit
+def load_rows(x, rows, i_h, o_d, mask_t, mask_d, HX: tl.constexpr, D: tl.constexpr):
+    """x[rows, i_h, o_d] of a [*, HX, D] tensor as [BT, BD] in x's dtype, zeros where masked."""
+    ptr = x + (rows[:, None] * HX + i_h) * D + o_d[None, :]
+    return tl.load(ptr, mask=mask_t[:, None] & mask_d[None, :], other=0.)
+
+
+@triton.jit
+def decay_k(g, gk, gamma, rows, mask_t, i_h, o_k, mask_k, H: tl.constexpr, K: tl.constexpr,
+            BT: tl.constexpr, BK: tl.constexpr, G_MODE: tl.constexpr, USE_GK: tl.constexpr,
+            GAMMA_MODE: tl.constexpr):
+    """Per-step log decays along K, a = g + gk + gamma, fp32 [BT, BK]; 0 on masked rows."""
+    a = tl.zeros([BT, BK], dtype=tl.float32)
+    if G_MODE == 1:
+        a += tl.load(g + rows * H + i_h, mask=mask_t, other=0.).to(tl.float32)[:, None]
+    if G_MODE == 2:
+        a += load_rows(g, rows, i_h, o_k, mask_t, mask_k, H, K).to(tl.float32)
+    if USE_GK:
+        a += load_rows(gk, rows, i_h, o_k, mask_t, mask_k, H, K).to(tl.float32)
+    if GAMMA_MODE > 0:
+        a += tl.where(mask_t, gamma, 0.)[:, None]
+    return a
+
+
+@triton.jit
+def decay_v(gv, rows, mask_t, i_h, o_v, mask_v, H: tl.constexpr, V: tl.constexpr,
+            USE_GV: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+    """Per-step log decays along V (gv), fp32 [BT, BV]; 0 when absent or masked."""
+    if USE_GV:
+        return load_rows(gv, rows, i_h, o_v, mask_t, mask_v, H, V).to(tl.float32)
+    else:
+        return tl.zeros([BT, BV], dtype=tl.float32)
+
+
+@triton.jit
+def row_of(x, o_t, j):
+    """Row j of a [BT, D] register tile as [D] (exact: the other rows add 0)."""
+    return tl.sum(tl.where((o_t == j)[:, None], x, 0.), axis=0)

@@ -48,6 +48,9 @@ def parse(argv):
     p.add_argument("--group-json", help=argparse.SUPPRESS)  # internal: one framework's child run
     p.add_argument("--render", metavar="JSON", help="measure nothing: rewrite the markdown and "
                                                      "plots from an earlier run's results.json")
+    p.add_argument("--readiness", action="store_true",
+                   help="only refresh the GPU-readiness section (the AOT reports, no GPU "
+                        "needed) in OUT/results.json, and rewrite the markdown from it")
     a = p.parse_args(argv)
     if a.T is not None and min(a.T) <= 0:
         p.error(f"--T must be positive, got {a.T}")
@@ -89,6 +92,8 @@ def main(argv=None):
     args = parse(argv)
     if args.render:
         return render(args)
+    if args.readiness:
+        return refresh_readiness(args)
     _reexec_with_malloc_env(argv)
 
     import torch
@@ -126,10 +131,14 @@ def main(argv=None):
     records, checks = _run_groups(args, impls, settings.log)
 
     gpu_section = gpu.section(quick=args.quick, log=settings.log)
+    from . import readiness
+
+    ready = None if args.quick else readiness.run(settings.log)
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, "results.json")
-    report.write_json(json_path, records, machine, checks, gpu_section)
-    _write_outputs(args, records, impls, machine, checks, gpu_section, json_path, settings.log)
+    report.write_json(json_path, records, machine, checks, gpu_section, ready)
+    _write_outputs(args, records, impls, machine, checks, gpu_section, json_path, settings.log,
+                   ready)
 
 
 def _run_groups(args, impls, log):
@@ -164,7 +173,8 @@ def _run_groups(args, impls, log):
     return records, checks
 
 
-def _write_outputs(args, records, impls, machine, checks, gpu_section, json_path, log):
+def _write_outputs(args, records, impls, machine, checks, gpu_section, json_path, log,
+                   readiness=None):
     from . import anchors, report
 
     os.makedirs(args.out, exist_ok=True)
@@ -176,7 +186,8 @@ def _write_outputs(args, records, impls, machine, checks, gpu_section, json_path
     plots = [] if args.no_plot else report.plot(records, impls, args.out)
     with open(md_path, "w") as f:
         f.write(report.markdown(records, impls, anchors.BASELINES, machine, checks,
-                                [os.path.relpath(p, md_dir) for p in plots], gpu_section))
+                                [os.path.relpath(p, md_dir) for p in plots], gpu_section,
+                                readiness))
     log(f"wrote {md_path}, {json_path}" + "".join(f", {p}" for p in plots))
 
 
@@ -191,7 +202,24 @@ def render(args):
     names = {r["impl"] for r in data["records"]}
     impls = [i for i in anchors.cpu_impls() if i.name in names]
     _write_outputs(args, data["records"], impls, data["machine"], data["checks"],
-                   data.get("gpu"), args.render, print)
+                   data.get("gpu"), args.render, print, data.get("readiness"))
+
+
+def refresh_readiness(args):
+    """--readiness: new AOT reports into OUT/results.json (the CPU timings kept),
+    then the markdown again from it."""
+    import json
+
+    from . import readiness
+
+    json_path = os.path.join(args.out, "results.json")
+    with open(json_path) as f:
+        data = json.load(f)
+    data["readiness"] = readiness.run()
+    with open(json_path, "w") as f:
+        json.dump(data, f, indent=1)
+    args.render = json_path
+    render(args)
 
 
 if __name__ == "__main__":

@@ -163,7 +163,8 @@ def targets(records, machine) -> list:
     return lines
 
 
-def markdown(records, impls, baselines, machine, checks, plots=(), gpu=None) -> str:
+def markdown(records, impls, baselines, machine, checks, plots=(), gpu=None,
+             readiness=None) -> str:
     """The whole BENCHMARKS.md."""
     m = machine
     lines = ["# Benchmarks", "",
@@ -210,15 +211,19 @@ def markdown(records, impls, baselines, machine, checks, plots=(), gpu=None) -> 
     lines += ["## CPU results", ""] + shape_tables(records, impls, baselines, m)
     for p in plots:
         lines += [f"![{os.path.basename(p)}]({p})", ""]
+    from .readiness import section
+
+    lines += ["## GPU readiness (compiled, not run)", "", section(readiness), ""]
     lines += ["## GPU", ""]
     lines += [gpu or "not measured: no GPU lent"]
     lines += [""]
     return "\n".join(lines)
 
 
-def write_json(path, records, machine, checks, gpu=None):
+def write_json(path, records, machine, checks, gpu=None, readiness=None):
     with open(path, "w") as f:
-        json.dump({"machine": machine, "checks": checks, "records": records, "gpu": gpu}, f, indent=1)
+        json.dump({"machine": machine, "checks": checks, "records": records, "gpu": gpu,
+                   "readiness": readiness}, f, indent=1)
 
 
 def plot(records, impls, out_dir) -> list:

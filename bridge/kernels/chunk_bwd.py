@@ -1,0 +1,467 @@
+"""Backward kernels of mode="chunk", on the forward's layout (chunk_fwd.py).
+
+With h the state at each chunk start, dh the state gradient at each chunk end
+(chunk_state_kernel run backwards) and A the intra-chunk matrix:
+  chunk_dA_kernel     dA[t, s] = sum_v do_t v_s exp(B_t - B_s)   (s <= t)
+  chunk_dv_kernel     dv = A^T do (gated) + (k gated) dh; with gv also the gate
+                      gradient db from o'*do (chunk_output_kernel, PRIME) and v*dv'
+  chunk_dqk_kernel    dq = scale (do gated) h^T + dA k (gated), dk = (v gated) dh^T
+                      + dA^T q (gated), and the key-gate gradient da
+  chunk_dgamma_kernel the constant decay's gradient per (sequence, head)
+Gate gradients (notation of fused_recurrent.py): da_t = sum_{t' >= t}
+(q dq' - k dk')_t' + sum_j dS_T S_T, where the primed gradients leave out the
+step's own q.k term (it would cancel in the difference, and fp32 would lose a
+tiny gate gradient to that cancellation). Inside a chunk the sum over t' runs
+as a reverse cumsum; everything after the chunk is one carried term,
+sum_V dh_end * S_end (S_end = the next chunk's h, or the final state), so no
+pass walks tokens. db likewise with o'*do - v*dv' and a sum over K.
+Parallel kernels split every chunk into sub-chunks of 16 where the decays must
+be referenced per pair (see chunk_fwd.py's precision note).
+"""
+
+import triton
+import triton.language as tl
+
+from .common import (block_rows, decay_k, decay_v, first_slot, head_gamma, load_rows, next_rows,
+                     row_of, seq_bounds, slot_chunk)
+
+
+@triton.jit
+def _sub_decay_k(g, gk, gamma, bos, eos, p0, i, i_h, o_k, mask_k, H: tl.constexpr,
+                 K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                 G_MODE: tl.constexpr, USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr,
+                 REVERSE: tl.constexpr):
+    """Key-side decays of sub-chunk i over one K block: l [BC,BK] = sum from its
+    start to t (inclusive), r [BC,BK] = sum after s to its end, and the totals
+    of the chunk's earlier (pre) and later (post) sub-chunks [BK]."""
+    rows, mask = block_rows(bos, eos, p0 + i * BC, BC, REVERSE)
+    rows_n, mask_n = next_rows(bos, eos, p0 + i * BC, BC, REVERSE)
+    rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
+    o_t = tl.arange(0, BT)
+    l = tl.cumsum(decay_k(g, gk, gamma, rows, mask, i_h, o_k, mask_k, H, K, BC, BK, G_MODE,
+                          USE_GK, GAMMA_MODE), 0)
+    r = tl.cumsum(decay_k(g, gk, gamma, rows_n, mask_n, i_h, o_k, mask_k, H, K, BC, BK, G_MODE,
+                          USE_GK, GAMMA_MODE), 0, reverse=True)
+    pre = tl.sum(decay_k(g, gk, gamma, rows_c, mask_c & (o_t < i * BC), i_h, o_k, mask_k, H, K,
+                         BT, BK, G_MODE, USE_GK, GAMMA_MODE), 0)
+    post = tl.sum(decay_k(g, gk, gamma, rows_c, mask_c & (o_t >= (i + 1) * BC), i_h, o_k, mask_k,
+                          H, K, BT, BK, G_MODE, USE_GK, GAMMA_MODE), 0)
+    return l, r, pre, post
+
+
+@triton.jit
+def _sub_decay_v(gv, bos, eos, p0, i, i_h, o_v, mask_v, H: tl.constexpr, V: tl.constexpr,
+                 BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, USE_GV: tl.constexpr,
+                 REVERSE: tl.constexpr):
+    """_sub_decay_k's four quantities for the value-side decays gv."""
+    rows, mask = block_rows(bos, eos, p0 + i * BC, BC, REVERSE)
+    rows_n, mask_n = next_rows(bos, eos, p0 + i * BC, BC, REVERSE)
+    rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
+    o_t = tl.arange(0, BT)
+    l = tl.cumsum(decay_v(gv, rows, mask, i_h, o_v, mask_v, H, V, USE_GV, BC, BV), 0)
+    r = tl.cumsum(decay_v(gv, rows_n, mask_n, i_h, o_v, mask_v, H, V, USE_GV, BC, BV), 0,
+                  reverse=True)
+    pre = tl.sum(decay_v(gv, rows_c, mask_c & (o_t < i * BC), i_h, o_v, mask_v, H, V, USE_GV,
+                         BT, BV), 0)
+    post = tl.sum(decay_v(gv, rows_c, mask_c & (o_t >= (i + 1) * BC), i_h, o_v, mask_v, H, V,
+                          USE_GV, BT, BV), 0)
+    return l, r, pre, post
+
+
+@triton.jit
+def _between(x, bos, eos, p0, j, i, i_h, o_d, mask_d, H: tl.constexpr, D: tl.constexpr,
+             BT: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, REVERSE: tl.constexpr):
+    """Total over the sub-chunks strictly between j < i of a per-step gate x
+    [*, H, D] (fp32 [BD]; 0 when adjacent)."""
+    rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
+    o_t = tl.arange(0, BT)
+    m = mask_c & (o_t >= (j + 1) * BC) & (o_t < i * BC)
+    return tl.sum(load_rows(x, rows_c, i_h, o_d, m, mask_d, H, D).to(tl.float32), 0)
+
+
+@triton.jit
+def _end_state(h, ht, i_s, i_n, last, o_k, mask_k, o_v, mask_v, H: tl.constexpr, K: tl.constexpr,
+               V: tl.constexpr, i_h):
+    """The state at the end of the chunk in slot i_s, fp32 [BK, BV]: the next
+    slot's h, or the final state for a sequence's last chunk."""
+    p_kv = o_k[:, None] * V + o_v[None, :]
+    m = mask_k[:, None] & mask_v[None, :]
+    nxt = tl.load(h + ((i_s + 1) * H + i_h).to(tl.int64) * K * V + p_kv, mask=m & (not last),
+                  other=0.).to(tl.float32)
+    fin = tl.load(ht + (i_n * H + i_h).to(tl.int64) * K * V + p_kv, mask=m & last, other=0.)
+    return nxt + fin
+
+
+@triton.jit
+def chunk_dA_kernel(
+    v, gv, do, cu_seqlens,
+    T, N,
+    dA,
+    H: tl.constexpr, HK: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
+    USE_GV: tl.constexpr, IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr, LOG_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """dA [B,T,H,BT] fp32 (0 above the diagonal). Without gv one program per
+    (chunk, head); with gv one per (chunk x sub-chunk, head), by sub-chunk pairs."""
+    i_x, i_h = tl.program_id(0), tl.program_id(1)
+    i_hk = i_h // (H // HK)
+    NC: tl.constexpr = BT // BC
+    op = v.dtype.element_ty
+    if not USE_GV:
+        i_n, bos, eos, p0 = slot_chunk(cu_seqlens, i_x, T, N, BT, IS_VARLEN, LOG_N)
+        if p0 >= eos - bos:
+            return
+        o_t = tl.arange(0, BT)
+        rows, mask_t = block_rows(bos, eos, p0, BT, REVERSE)
+        acc = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            mask_v = o_v < V
+            b_do = load_rows(do, rows, i_h, o_v, mask_t, mask_v, H, V)
+            b_v = load_rows(v, rows, i_hk, o_v, mask_t, mask_v, HK, V)
+            acc += tl.dot(b_do.to(op), tl.trans(b_v.to(op)), input_precision=DOT_PREC)
+        acc = tl.where(o_t[:, None] >= o_t[None, :], acc, 0.)
+        tl.store(dA + (rows[:, None] * H + i_h) * BT + o_t[None, :], acc, mask=mask_t[:, None])
+    else:
+        i_s, i_i = i_x // NC, i_x % NC
+        i_n, bos, eos, p0 = slot_chunk(cu_seqlens, i_s, T, N, BT, IS_VARLEN, LOG_N)
+        if p0 + i_i * BC >= eos - bos:
+            return
+        o_c = tl.arange(0, BC)
+        rows_i, mask_i = block_rows(bos, eos, p0 + i_i * BC, BC, REVERSE)
+        p_da = dA + (rows_i[:, None] * H + i_h) * BT + o_c[None, :]
+        for j in range(0, i_i):
+            rows_j, mask_j = block_rows(bos, eos, p0 + j * BC, BC, REVERSE)
+            rows_jn, mask_jn = next_rows(bos, eos, p0 + j * BC, BC, REVERSE)
+            acc = tl.zeros([BC, BC], dtype=tl.float32)
+            for i_v in range(0, tl.cdiv(V, BV)):
+                o_v = i_v * BV + tl.arange(0, BV)
+                mask_v = o_v < V
+                lb_i = tl.cumsum(decay_v(gv, rows_i, mask_i, i_h, o_v, mask_v, H, V, USE_GV, BC,
+                                         BV), 0)
+                rb_j = tl.cumsum(decay_v(gv, rows_jn, mask_jn, i_h, o_v, mask_v, H, V, USE_GV, BC,
+                                         BV), 0, reverse=True)
+                mb = _between(gv, bos, eos, p0, j, i_i, i_h, o_v, mask_v, H, V, BT, BC, BV, REVERSE)
+                b_do = load_rows(do, rows_i, i_h, o_v, mask_i, mask_v, H, V).to(tl.float32)
+                b_v = load_rows(v, rows_j, i_hk, o_v, mask_j, mask_v, HK, V).to(tl.float32)
+                acc += tl.dot((b_do * tl.exp(lb_i)).to(op),
+                              tl.trans((b_v * tl.exp(rb_j + mb[None, :])).to(op)),
+                              input_precision=DOT_PREC)
+            tl.store(p_da + j * BC, acc, mask=mask_i[:, None])
+        acc = tl.zeros([BC, BC], dtype=tl.float32)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            mask_v = o_v < V
+            lb_i = tl.cumsum(decay_v(gv, rows_i, mask_i, i_h, o_v, mask_v, H, V, USE_GV, BC, BV), 0)
+            b_do = load_rows(do, rows_i, i_h, o_v, mask_i, mask_v, H, V).to(tl.float32)
+            b_v = load_rows(v, rows_i, i_hk, o_v, mask_i, mask_v, HK, V).to(tl.float32)
+            for s in range(0, BC):
+                causal = (o_c >= s)[:, None]
+                v_s, lb_s = row_of(b_v, o_c, s), row_of(lb_i, o_c, s)
+                d = tl.exp(tl.where(causal, lb_i - lb_s[None, :], 0.))
+                col = tl.sum(tl.where(causal, b_do * v_s[None, :] * d, 0.), 1)
+                acc += tl.where(o_c[None, :] == s, col[:, None], 0.)
+        tl.store(p_da + i_i * BC, acc, mask=mask_i[:, None])
+        for j in range(i_i + 1, NC):
+            tl.store(p_da + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=mask_i[:, None])
+
+
+@triton.jit
+def chunk_dv_kernel(
+    k, v, g, gk, gv, g_gamma, A, h, dh, final_state, odo, cu_seqlens, do,
+    T, N,
+    dv, db,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    G_MODE: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr, GAMMA_MODE: tl.constexpr,
+    USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr, LOG_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """dv per query head [B,T,H,V] for one chunk and V block; with gv also
+    db [B,T,H,V] fp32 (its reverse sum runs over the chunk's sub-chunks)."""
+    i_s, i_v, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (H // HK)
+    KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
+    i_n, bos, eos, p0 = slot_chunk(cu_seqlens, i_s, T, N, BT, IS_VARLEN, LOG_N)
+    if p0 >= eos - bos:
+        return
+    gamma = head_gamma(g_gamma, i_n, i_h, H, GAMMA_MODE)
+    o_t = tl.arange(0, BT)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mask_v = o_v < V
+    p_dh = dh + (i_s * H + i_h).to(tl.int64) * K * V
+    op = v.dtype.element_ty
+    rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
+
+    if not USE_GV:
+        b_a = tl.load(A + (rows_c[:, None] * H + i_h) * BT + o_t[None, :], mask=mask_c[:, None],
+                      other=0.)
+        b_a = tl.where(o_t[:, None] >= o_t[None, :], b_a, 0.)
+        b_do = load_rows(do, rows_c, i_h, o_v, mask_c, mask_v, H, V)
+        acc = tl.dot(tl.trans(b_a.to(op)), b_do.to(op), input_precision=DOT_PREC)
+        rows_n, mask_n = next_rows(bos, eos, p0, BT, REVERSE)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            mask_k = o_k < K
+            b_k = load_rows(k, rows_c, i_hk, o_k, mask_c, mask_k, HK, K).to(tl.float32)
+            if KGATE:
+                b_k *= tl.exp(tl.cumsum(decay_k(g, gk, gamma, rows_n, mask_n, i_h, o_k, mask_k, H,
+                                                K, BT, BK, G_MODE, USE_GK, GAMMA_MODE), 0,
+                                        reverse=True))
+            b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :],
+                           mask=mask_k[:, None] & mask_v[None, :], other=0.)
+            acc += tl.dot(b_k.to(op), b_dh.to(op), input_precision=DOT_PREC)
+        tl.store(dv + (rows_c[:, None] * H + i_h) * V + o_v[None, :],
+                 acc.to(dv.dtype.element_ty), mask=mask_c[:, None] & mask_v[None, :])
+    else:
+        NC: tl.constexpr = BT // BC
+        o_c = tl.arange(0, BC)
+        last = p0 + BT >= eos - bos
+        # sum_K dh_end * S_end: everything after this chunk, for db
+        carried = tl.zeros([BV], dtype=tl.float32)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            mask_k = o_k < K
+            b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :],
+                           mask=mask_k[:, None] & mask_v[None, :], other=0.).to(tl.float32)
+            s_end = _end_state(h, final_state, i_s, i_n, last, o_k, mask_k, o_v, mask_v, H, K, V,
+                               i_h)
+            carried += tl.sum(b_dh * s_end, 0)
+        suffix = tl.zeros([BV], dtype=tl.float32)
+        for j in tl.static_range(NC - 1, -1, -1):
+            rows_j, mask_j = block_rows(bos, eos, p0 + j * BC, BC, REVERSE)
+            lb_j, rb_j, _pre, post_b = _sub_decay_v(gv, bos, eos, p0, j, i_h, o_v, mask_v, H, V,
+                                                    BT, BC, BV, USE_GV, REVERSE)
+            acc = tl.zeros([BC, BV], dtype=tl.float32)
+            for i_k in range(0, tl.cdiv(K, BK)):
+                o_k = i_k * BK + tl.arange(0, BK)
+                mask_k = o_k < K
+                b_k = load_rows(k, rows_j, i_hk, o_k, mask_j, mask_k, HK, K).to(tl.float32)
+                if KGATE:
+                    _l, r_j, _p, post_a = _sub_decay_k(g, gk, gamma, bos, eos, p0, j, i_h, o_k,
+                                                       mask_k, H, K, BT, BC, BK, G_MODE, USE_GK,
+                                                       GAMMA_MODE, REVERSE)
+                    b_k *= tl.exp(r_j + post_a[None, :])
+                b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :],
+                               mask=mask_k[:, None] & mask_v[None, :], other=0.)
+                acc += tl.dot(b_k.to(op), b_dh.to(op), input_precision=DOT_PREC)
+            acc *= tl.exp(rb_j + post_b[None, :])
+            for ii in tl.static_range(j + 1, NC):
+                rows_i, mask_i = block_rows(bos, eos, p0 + ii * BC, BC, REVERSE)
+                lb_i = tl.cumsum(decay_v(gv, rows_i, mask_i, i_h, o_v, mask_v, H, V, USE_GV, BC,
+                                         BV), 0)
+                mb = _between(gv, bos, eos, p0, j, ii, i_h, o_v, mask_v, H, V, BT, BC, BV, REVERSE)
+                b_a = tl.load(A + (rows_i[:, None] * H + i_h) * BT + j * BC + o_c[None, :],
+                              mask=mask_i[:, None], other=0.)
+                b_do = load_rows(do, rows_i, i_h, o_v, mask_i, mask_v, H, V).to(tl.float32)
+                acc += tl.exp(rb_j + mb[None, :]) * tl.dot(
+                    tl.trans(b_a.to(op)), (b_do * tl.exp(lb_i)).to(op), input_precision=DOT_PREC)
+            # the diagonal block, one later row t at a time; dv' leaves out t = s
+            b_a = tl.load(A + (rows_j[:, None] * H + i_h) * BT + j * BC + o_c[None, :],
+                          mask=mask_j[:, None], other=0.)
+            b_do = load_rows(do, rows_j, i_h, o_v, mask_j, mask_v, H, V).to(tl.float32)
+            for t in range(0, BC):
+                later = (o_c < t)[:, None]
+                a_t = row_of(b_a, o_c, t)  # A[t, s] over s
+                do_t, lb_t = row_of(b_do, o_c, t), row_of(lb_j, o_c, t)
+                d = tl.exp(tl.where(later, lb_t[None, :] - lb_j, 0.))
+                acc += tl.where(later, a_t[:, None] * do_t[None, :] * d, 0.)
+            a_ss = tl.sum(tl.where(o_c[:, None] == o_c[None, :], b_a, 0.), 1)
+            b_v = load_rows(v, rows_j, i_hk, o_v, mask_j, mask_v, HK, V).to(tl.float32)
+            x = (tl.load(odo + (rows_j[:, None] * H + i_h) * V + o_v[None, :],
+                         mask=mask_j[:, None] & mask_v[None, :], other=0.) - b_v * acc)
+            b_db = tl.cumsum(x, 0, reverse=True) + (suffix + carried)[None, :]
+            suffix += tl.sum(x, 0)
+            if (not USE_H0) and (j == 0):  # as for da in chunk_dqk_kernel
+                b_db = tl.where(((o_c == 0) & (p0 == 0))[:, None], 0., b_db)
+            m_o = mask_j[:, None] & mask_v[None, :]
+            tl.store(db + (rows_j[:, None] * H + i_h) * V + o_v[None, :], b_db, mask=m_o)
+            tl.store(dv + (rows_j[:, None] * H + i_h) * V + o_v[None, :],
+                     (acc + a_ss[:, None] * b_do).to(dv.dtype.element_ty), mask=m_o)
+
+
+@triton.jit
+def chunk_dqk_kernel(
+    q, k, v, g, gk, gv, g_gamma, h, dh, final_state, A, dA, cu_seqlens, do,
+    scale, T, N,
+    dq, dk, da, dg_part, dgamma_part,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    G_MODE: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr, GAMMA_MODE: tl.constexpr,
+    USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr, LOG_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """dq [B,T,H,K], dk per query head [B,T,H,K], and the key-gate gradients
+    for one chunk and K block: da [B,T,H,K] (g [B,T,H,K] / gk), its sum over the
+    block per row dg_part [NK,B,T,H] (g [B,T,H]), per chunk dgamma_part [NK,slots,H].
+
+    dgamma is not summed from da: sum_t da_t adds (position + 1)-weighted terms
+    whose difference is the (t - s)-weighted pair term, so fp32 error would grow
+    with the chunk length. It is the derivative of the chunk's own decay factors
+    instead: (t - s) A_ts dA_ts inside the chunk, (p + 1) q.dq and (n - 1 - p) k.dk
+    through the states, n dh_end.(h decayed over the chunk): no cancelling terms."""
+    i_s, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (H // HK)
+    KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
+    NC: tl.constexpr = BT // BC
+    i_n, bos, eos, p0 = slot_chunk(cu_seqlens, i_s, T, N, BT, IS_VARLEN, LOG_N)
+    if p0 >= eos - bos:
+        return
+    gamma = head_gamma(g_gamma, i_n, i_h, H, GAMMA_MODE)
+    o_c = tl.arange(0, BC)
+    o_k = i_k * BK + tl.arange(0, BK)
+    mask_k = o_k < K
+    p_h = h + (i_s * H + i_h).to(tl.int64) * K * V
+    p_dh = dh + (i_s * H + i_h).to(tl.int64) * K * V
+    op = q.dtype.element_ty
+    last = p0 + BT >= eos - bos
+
+    # sum_V dh_end * S_end: the gate gradient of everything after this chunk
+    carried = tl.zeros([BK], dtype=tl.float32)
+    start = tl.zeros([BK], dtype=tl.float32)  # sum_V dh_end * h_start * exp(B_e), for dgamma
+    rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
+    if KGATE:
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            mask_v = o_v < V
+            m_kv = mask_k[:, None] & mask_v[None, :]
+            b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv,
+                           other=0.).to(tl.float32)
+            s_end = _end_state(h, final_state, i_s, i_n, last, o_k, mask_k, o_v, mask_v, H, K, V,
+                               i_h)
+            carried += tl.sum(b_dh * s_end, 1)
+            if GAMMA_MODE > 0:
+                b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv,
+                              other=0.).to(tl.float32)
+                b_e = tl.sum(decay_v(gv, rows_c, mask_c, i_h, o_v, mask_v, H, V, USE_GV, BT, BV), 0)
+                start += tl.sum(b_dh * b_h * tl.exp(b_e)[None, :], 1)
+    suffix = tl.zeros([BK], dtype=tl.float32)
+    dgamma = tl.zeros([BK], dtype=tl.float32)
+    for ii in range(0, NC):  # sub-chunks last to first, for the reverse sums
+        i = NC - 1 - ii
+        rows_i, mask_i = block_rows(bos, eos, p0 + i * BC, BC, REVERSE)
+        m_i = mask_i[:, None] & mask_k[None, :]
+        b_q = load_rows(q, rows_i, i_h, o_k, mask_i, mask_k, H, K).to(tl.float32)
+        b_k = load_rows(k, rows_i, i_hk, o_k, mask_i, mask_k, HK, K).to(tl.float32)
+        l_i, r_i, pre_a, post_a = _sub_decay_k(g, gk, gamma, bos, eos, p0, i, i_h, o_k, mask_k, H,
+                                               K, BT, BC, BK, G_MODE, USE_GK, GAMMA_MODE, REVERSE)
+        # through the states: the chunk start's h and the chunk end's dh
+        b_dq = tl.zeros([BC, BK], dtype=tl.float32)
+        b_dk = tl.zeros([BC, BK], dtype=tl.float32)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            mask_v = o_v < V
+            m_kv = mask_k[:, None] & mask_v[None, :]
+            b_do = load_rows(do, rows_i, i_h, o_v, mask_i, mask_v, H, V).to(tl.float32)
+            b_v = load_rows(v, rows_i, i_hk, o_v, mask_i, mask_v, HK, V).to(tl.float32)
+            if USE_GV:
+                lb_i, rb_i, pre_b, post_b = _sub_decay_v(gv, bos, eos, p0, i, i_h, o_v, mask_v, H,
+                                                         V, BT, BC, BV, USE_GV, REVERSE)
+                b_do *= tl.exp(lb_i + pre_b[None, :])
+                b_v *= tl.exp(rb_i + post_b[None, :])
+            b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+            b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+            b_dq += tl.dot(b_do.to(op), tl.trans(b_h.to(op)), input_precision=DOT_PREC)
+            b_dk += tl.dot(b_v.to(op), tl.trans(b_dh.to(op)), input_precision=DOT_PREC)
+        b_dq *= scale * tl.exp(l_i + pre_a[None, :])
+        b_dk *= tl.exp(r_i + post_a[None, :])
+        if GAMMA_MODE > 0:
+            pos = (i * BC + o_c).to(tl.float32)[:, None]
+            n_c = tl.minimum(eos - bos - p0, BT).to(tl.float32)
+            dgamma += tl.sum((pos + 1.) * b_q * b_dq + (n_c - 1. - pos) * b_k * b_dk, 0)
+        # inside the chunk: earlier sub-chunks j < i for dq, later ones for dk
+        p_da = dA + (rows_i[:, None] * H + i_h) * BT + o_c[None, :]
+        for j in range(0, i):
+            rows_j, mask_j = block_rows(bos, eos, p0 + j * BC, BC, REVERSE)
+            _l, r_j, _p, _q = _sub_decay_k(g, gk, gamma, bos, eos, p0, j, i_h, o_k, mask_k, H, K,
+                                           BT, BC, BK, G_MODE, USE_GK, GAMMA_MODE, REVERSE)
+            rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
+            o_t = tl.arange(0, BT)
+            m_ij = tl.sum(decay_k(g, gk, gamma, rows_c,
+                                  mask_c & (o_t >= (j + 1) * BC) & (o_t < i * BC), i_h, o_k,
+                                  mask_k, H, K, BT, BK, G_MODE, USE_GK, GAMMA_MODE), 0)
+            b_kj = load_rows(k, rows_j, i_hk, o_k, mask_j, mask_k, HK, K).to(tl.float32)
+            b_daij = tl.load(p_da + j * BC, mask=mask_i[:, None], other=0.)
+            b_dq += scale * tl.exp(l_i) * tl.dot(
+                b_daij.to(op), (b_kj * tl.exp(r_j + m_ij[None, :])).to(op),
+                input_precision=DOT_PREC)
+        for j in range(i + 1, NC):
+            rows_j, mask_j = block_rows(bos, eos, p0 + j * BC, BC, REVERSE)
+            l_j, _r, _p, _q = _sub_decay_k(g, gk, gamma, bos, eos, p0, j, i_h, o_k, mask_k, H, K,
+                                           BT, BC, BK, G_MODE, USE_GK, GAMMA_MODE, REVERSE)
+            rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
+            o_t = tl.arange(0, BT)
+            m_ij = tl.sum(decay_k(g, gk, gamma, rows_c,
+                                  mask_c & (o_t >= (i + 1) * BC) & (o_t < j * BC), i_h, o_k,
+                                  mask_k, H, K, BT, BK, G_MODE, USE_GK, GAMMA_MODE), 0)
+            b_qj = load_rows(q, rows_j, i_h, o_k, mask_j, mask_k, H, K).to(tl.float32)
+            b_daji = tl.load(dA + (rows_j[:, None] * H + i_h) * BT + i * BC + o_c[None, :],
+                             mask=mask_j[:, None], other=0.)
+            b_dk += scale * tl.exp(r_i + m_ij[None, :]) * tl.dot(
+                tl.trans(b_daji.to(op)), (b_qj * tl.exp(l_j)).to(op), input_precision=DOT_PREC)
+        # the diagonal block, elementwise; the primed sums leave out t = s
+        b_daii = tl.load(p_da + i * BC, mask=mask_i[:, None], other=0.)
+        for u in range(0, BC):
+            after = (o_c > u)[:, None]   # rows t > u, for dq
+            before = (o_c < u)[:, None]  # rows s < u, for dk
+            k_u, q_u, l_u = row_of(b_k, o_c, u), row_of(b_q, o_c, u), row_of(l_i, o_c, u)
+            col_u = tl.sum(tl.where(o_c[None, :] == u, b_daii, 0.), 1)  # dA[t, u]
+            row_u = row_of(b_daii, o_c, u)                               # dA[u, s]
+            d_q = tl.exp(tl.where(after, l_i - l_u[None, :], 0.))
+            d_k = tl.exp(tl.where(before, l_u[None, :] - l_i, 0.))
+            b_dq += tl.where(after, scale * col_u[:, None] * k_u[None, :] * d_q, 0.)
+            b_dk += tl.where(before, scale * row_u[:, None] * q_u[None, :] * d_k, 0.)
+        d_self = scale * tl.sum(tl.where(o_c[:, None] == o_c[None, :], b_daii, 0.), 1)
+        tl.store(dq + (rows_i[:, None] * H + i_h) * K + o_k[None, :],
+                 (b_dq + d_self[:, None] * b_k).to(dq.dtype.element_ty), mask=m_i)
+        tl.store(dk + (rows_i[:, None] * H + i_h) * K + o_k[None, :],
+                 (b_dk + d_self[:, None] * b_q).to(dk.dtype.element_ty), mask=m_i)
+        if KGATE:
+            x = b_q * b_dq - b_k * b_dk
+            b_da = tl.cumsum(x, 0, reverse=True) + (suffix + carried)[None, :]
+            suffix += tl.sum(x, 0)
+            if not USE_H0:
+                # a sequence's first decay acts on a zero state: its gradient is 0
+                # exactly (the sum above would leave fp32 noise of cancelled terms)
+                b_da = tl.where(((o_c == 0) & (p0 + i * BC == 0))[:, None], 0., b_da)
+            b_da = tl.where(m_i, b_da, 0.)
+            if (G_MODE == 2) or USE_GK:
+                tl.store(da + (rows_i[:, None] * H + i_h) * K + o_k[None, :],
+                         b_da.to(da.dtype.element_ty), mask=m_i)
+            if G_MODE == 1:
+                n_rows = T if IS_VARLEN else N * T
+                tl.store(dg_part + ((i_k * n_rows + rows_i) * H + i_h), tl.sum(b_da, 1),
+                         mask=mask_i)
+    if GAMMA_MODE > 0:
+        n_c = tl.minimum(eos - bos - p0, BT).to(tl.float32)
+        a_e = tl.sum(decay_k(g, gk, gamma, rows_c, mask_c, i_h, o_k, mask_k, H, K, BT, BK, G_MODE,
+                             USE_GK, GAMMA_MODE), 0)
+        total = tl.sum(dgamma + n_c * start * tl.exp(a_e), 0)
+        if i_k == 0:  # the pairs inside the chunk (A sums over all of K)
+            o_t = tl.arange(0, BT)
+            p_t = (rows_c[:, None] * H + i_h) * BT + o_t[None, :]
+            dist = tl.where(o_t[:, None] > o_t[None, :], (o_t[:, None] - o_t[None, :]), 0)
+            b_a = tl.load(A + p_t, mask=mask_c[:, None], other=0.)
+            b_da_t = tl.load(dA + p_t, mask=mask_c[:, None], other=0.)
+            total += tl.sum(tl.sum(dist.to(tl.float32) * b_a * b_da_t, 1), 0)
+        tl.store(dgamma_part + (i_k * tl.num_programs(0) + i_s) * H + i_h, total)
+
+
+@triton.jit
+def chunk_dgamma_kernel(
+    dgamma_part, cu_seqlens,
+    T, NS,
+    dgamma,
+    H: tl.constexpr, BT: tl.constexpr, NK: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """dgamma [N,H]: the per-chunk sums of one sequence added up, one program
+    per (sequence, head)."""
+    i_n, i_h = tl.program_id(0), tl.program_id(1)
+    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    slot0 = first_slot(cu_seqlens, i_n, T, BT, IS_VARLEN)
+    acc = 0.
+    for c in range(0, tl.cdiv(eos - bos, BT)):
+        for i_k in range(0, NK):
+            acc += tl.load(dgamma_part + (i_k * NS + slot0 + c) * H + i_h)
+    tl.store(dgamma + i_n * H + i_h, acc)
