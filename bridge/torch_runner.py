@@ -3,20 +3,51 @@
 The PyTorch launcher, and the JAX launcher on CPU (through a host callback and
 DLPack), both execute the kernels here: on CUDA tensors compiled, on CPU
 tensors in Triton's interpreter.
+
+Configs: each Launch carries the warps and stages its plan chose (checked
+ahead of time by `bridge.aot --report`). On CUDA the torch launch autotunes
+warps and stages per kernel variant instead (`triton.autotune`, keyed on the
+variant's constexprs and dtypes; GLA_BRIDGE_AUTOTUNE=0 turns it off); tiles
+stay the plan's, since the grid depends on them. The interpreter and JAX
+(whose launch must be fixed at trace time) run the plan's config.
 """
+
+import os
 
 import torch
 
 from .launch import resolve_dtype
 
 _DTYPES = {"float32": torch.float32}
+_TUNED = {}
+CONFIGS = tuple((w, s) for w in (2, 4, 8) for s in (1, 2, 3))  # (num_warps, num_stages)
 
 
-def run(launches, env: dict) -> dict:
+def autotuning() -> bool:
+    return os.environ.get("GLA_BRIDGE_AUTOTUNE", "1") == "1"
+
+
+def tuned(launch, do_bench=None):
+    """The launch's kernel under triton.autotune over CONFIGS (the plan's own
+    config among them), one autotuner per kernel and set of constexpr names."""
+    import triton
+
+    key = (launch.kernel, tuple(sorted(launch.constexprs)), do_bench)
+    if key not in _TUNED:
+        configs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in CONFIGS]
+        _TUNED[key] = triton.autotune(configs=configs, key=sorted(launch.constexprs),
+                                      do_bench=do_bench)(launch.kernel)
+    return _TUNED[key]
+
+
+def run(launches, env: dict, autotune=None, do_bench=None) -> dict:
     """Execute the launches in order; their outputs are added to `env` by name.
     Absent inputs and outputs get `env['q']` as a dummy pointer (never touched:
-    the kernel's flag for it is off)."""
+    the kernel's flag for it is off). `autotune` defaults to CUDA tensors with
+    GLA_BRIDGE_AUTOTUNE unset or 1; `do_bench` replaces Triton's timer (tests)."""
     dummy = env["q"]
+    if autotune is None:
+        autotune = dummy.is_cuda and autotuning()
     for launch in launches:
         args = [dummy if name is None else env[name] for name in launch.inputs]
         outs = []
@@ -28,6 +59,10 @@ def run(launches, env: dict) -> dict:
             env[out.name] = torch.empty(out.shape, dtype=_DTYPES.get(dtype, dtype),
                                         device=dummy.device)
             outs.append(env[out.name])
-        launch.kernel[launch.grid](*args, *launch.scalars, *outs, **launch.constexprs,
-                                   num_warps=launch.num_warps, num_stages=launch.num_stages)
+        if autotune:
+            tuned(launch, do_bench)[launch.grid](*args, *launch.scalars, *outs,
+                                                 **launch.constexprs)
+        else:
+            launch.kernel[launch.grid](*args, *launch.scalars, *outs, **launch.constexprs,
+                                       num_warps=launch.num_warps, num_stages=launch.num_stages)
     return env

@@ -39,11 +39,9 @@ def warps(name: str, plan) -> int:
         return 8 if fp32 else 4
     if name == "chunk_output_kernel":
         return 8 if fp32 or gv else 4
-    if name == "chunk_dv_kernel":
-        return 4 if fp32 and not gv else 8
     if name == "chunk_dqk_kernel":
         return 4 if plan.dtype == "float16" and not gv else 8
-    return {"chunk_intra_kernel": 2, "chunk_dA_kernel": 8}[name]
+    return {"chunk_intra_kernel": 2, "chunk_dA_kernel": 8, "chunk_dv_kernel": 8}[name]
 
 
 DQK_BV = {"float16": 16}
@@ -51,9 +49,11 @@ DQK_BV_DEFAULT = 32
 
 
 def config(plan) -> dict:
+    """Tiles: K and V blocks of up to 64 (32 along V for fp32, whose products are
+    FMA loops: ptxas spilled tens of KB on fully unrolled 64x64x64 fp32 products)."""
     check_k(plan, "chunk")
     BK = min(64, max(16, next_pow2(plan.K)))
-    BV = min(64, max(16, next_pow2(plan.V)))
+    BV = min(32 if plan.dtype == "float32" else 64, max(16, next_pow2(plan.V)))
     return dict(BT=BT, BC=BC, BK=BK, BV=BV, NK=-(-plan.K // BK), NV=-(-plan.V // BV))
 
 
@@ -74,6 +74,10 @@ def _state_dtype(plan) -> str:
 
 def _size(plan) -> int:
     return {"float32": 4, "float64": 8}.get(plan.dtype, 2)
+
+
+def _state_size(plan) -> int:
+    return 4 if _state_dtype(plan) == "float32" else _size(plan)
 
 
 def _only(kernel, consts: dict) -> dict:
@@ -98,7 +102,7 @@ def state_launch(plan, backward: bool, use_s_in: bool, store_out: bool) -> Launc
     c = config(plan)
     B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
     ns, isz = slots(plan), _size(plan)
-    ssz = isz if _state_dtype(plan) != "float32" else 4
+    ssz = _state_size(plan)
     gates = gate_inputs(plan)
     cu = "cu_seqlens" if plan.varlen else None
     if backward:
@@ -136,7 +140,7 @@ def output_launch(plan, prime: bool = False) -> Launch:
     B, T, H, K, V = plan.B, plan.T, plan.H, plan.K, plan.V
     ns, isz = slots(plan), _size(plan)
     out = Out("odo", (B, T, H, V)) if prime else Out("o", (B, T, H, V), "like:q")
-    ssz = isz if _state_dtype(plan) != "float32" else 4
+    ssz = _state_size(plan)
     nbytes = (B * T * (H * K + plan.Hk * V + H * V * (2 if prime else 1)) * isz
               + B * T * H * BT * 4 + ns * H * K * V * ssz)
     return _launch(plan, chunk_output_kernel, (ns, c["NV"], H),
@@ -164,7 +168,7 @@ def backward_launches(plan, use_dht: bool) -> list:
     cu = "cu_seqlens" if plan.varlen else None
     kgate = key_gated(plan)
     own = plan.group == 1  # per-query-head dk/dv are the gradients themselves
-    ssz = isz if _state_dtype(plan) != "float32" else 4
+    ssz = _state_size(plan)
     tokens = B * T
     launches = [state_launch(plan, backward=False, use_s_in=plan.initial_state, store_out=False),
                 intra_launch(plan),
@@ -172,8 +176,8 @@ def backward_launches(plan, use_dht: bool) -> list:
     if plan.gv:
         launches.append(output_launch(plan, prime=True))
     launches.append(_launch(
-        plan, chunk_dA_kernel, (ns * (nc if plan.gv else 1), H), ("v", "gv" if plan.gv else None, "do", cu),
-        (T, N), (Out("dA", (B, T, H, BT)),), consts,
+        plan, chunk_dA_kernel, (ns * (nc if plan.gv else 1), H),
+        ("v", "gv" if plan.gv else None, "do", cu), (T, N), (Out("dA", (B, T, H, BT)),), consts,
         flops=2 * ns * H * BT * BT * V // (2 if plan.gv else 1),
         nbytes=tokens * (H + plan.Hk) * V * isz + tokens * H * BT * 4))
     launches.append(_launch(
@@ -190,7 +194,8 @@ def backward_launches(plan, use_dht: bool) -> list:
         ("q", "k", "v", *gates, "h", "dh", "final_state" if kgate else None,
          "A" if plan.g_gamma != "none" else None, "dA", cu, "do"),
         (plan.scale, T, N),
-        (Out("dq", (B, T, H, K), "like:q"), Out("dk_h", (B, T, H, K), "like:k" if own else "float32"),
+        (Out("dq", (B, T, H, K), "like:q"),
+         Out("dk_h", (B, T, H, K), "like:k" if own else "float32"),
          Out("da", (B, T, H, K), "like:g" if plan.g == "key" else "like:gk")
          if plan.g == "key" or plan.gk else None,
          Out("dg_head", (c["NK"], B, T, H)) if plan.g == "head" else None,

@@ -22,8 +22,8 @@ be referenced per pair (see chunk_fwd.py's precision note).
 import triton
 import triton.language as tl
 
-from .common import (block_rows, decay_k, decay_v, first_slot, head_gamma, load_rows, next_rows,
-                     row_of, seq_bounds, slot_chunk)
+from .common import (block_rows, decay_k, decay_k_between, decay_v, first_slot, head_gamma,
+                     load_rows, next_rows, row_of, seq_bounds, slot_chunk)
 
 
 @triton.jit
@@ -195,11 +195,13 @@ def chunk_dv_kernel(
     rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
 
     if not USE_GV:
-        b_a = tl.load(A + (rows_c[:, None] * H + i_h) * BT + o_t[None, :], mask=mask_c[:, None],
-                      other=0.)
-        b_a = tl.where(o_t[:, None] >= o_t[None, :], b_a, 0.)
+        # A^T [s, t] read transposed from memory: a transpose in registers feeding
+        # an fp32 FMA product made ptxas spill tens of KB (bridge.aot, fp32 variants)
+        b_at = tl.load(A + (rows_c[None, :] * H + i_h) * BT + o_t[:, None], mask=mask_c[None, :],
+                       other=0.)
+        b_at = tl.where(o_t[:, None] <= o_t[None, :], b_at, 0.)
         b_do = load_rows(do, rows_c, i_h, o_v, mask_c, mask_v, H, V)
-        acc = tl.dot(tl.trans(b_a.to(op)), b_do.to(op), input_precision=DOT_PREC)
+        acc = tl.dot(b_at.to(op), b_do.to(op), input_precision=DOT_PREC)
         rows_n, mask_n = next_rows(bos, eos, p0, BT, REVERSE)
         for i_k in range(0, tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
@@ -376,11 +378,8 @@ def chunk_dqk_kernel(
             rows_j, mask_j = block_rows(bos, eos, p0 + j * BC, BC, REVERSE)
             _l, r_j, _p, _q = _sub_decay_k(g, gk, gamma, bos, eos, p0, j, i_h, o_k, mask_k, H, K,
                                            BT, BC, BK, G_MODE, USE_GK, GAMMA_MODE, REVERSE)
-            rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
-            o_t = tl.arange(0, BT)
-            m_ij = tl.sum(decay_k(g, gk, gamma, rows_c,
-                                  mask_c & (o_t >= (j + 1) * BC) & (o_t < i * BC), i_h, o_k,
-                                  mask_k, H, K, BT, BK, G_MODE, USE_GK, GAMMA_MODE), 0)
+            m_ij = decay_k_between(g, gk, gamma, bos, eos, p0, j, i, i_h, o_k, mask_k, H, K, BT,
+                                   BC, BK, G_MODE, USE_GK, GAMMA_MODE, REVERSE)
             b_kj = load_rows(k, rows_j, i_hk, o_k, mask_j, mask_k, HK, K).to(tl.float32)
             b_daij = tl.load(p_da + j * BC, mask=mask_i[:, None], other=0.)
             b_dq += scale * tl.exp(l_i) * tl.dot(
@@ -390,11 +389,8 @@ def chunk_dqk_kernel(
             rows_j, mask_j = block_rows(bos, eos, p0 + j * BC, BC, REVERSE)
             l_j, _r, _p, _q = _sub_decay_k(g, gk, gamma, bos, eos, p0, j, i_h, o_k, mask_k, H, K,
                                            BT, BC, BK, G_MODE, USE_GK, GAMMA_MODE, REVERSE)
-            rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
-            o_t = tl.arange(0, BT)
-            m_ij = tl.sum(decay_k(g, gk, gamma, rows_c,
-                                  mask_c & (o_t >= (i + 1) * BC) & (o_t < j * BC), i_h, o_k,
-                                  mask_k, H, K, BT, BK, G_MODE, USE_GK, GAMMA_MODE), 0)
+            m_ij = decay_k_between(g, gk, gamma, bos, eos, p0, i, j, i_h, o_k, mask_k, H, K, BT,
+                                   BC, BK, G_MODE, USE_GK, GAMMA_MODE, REVERSE)
             b_qj = load_rows(q, rows_j, i_h, o_k, mask_j, mask_k, H, K).to(tl.float32)
             b_daji = tl.load(dA + (rows_j[:, None] * H + i_h) * BT + i * BC + o_c[None, :],
                              mask=mask_j[:, None], other=0.)

@@ -27,8 +27,8 @@ two sums, each of at most 16 steps (as the fused recurrence's precision allows).
 import triton
 import triton.language as tl
 
-from .common import (block_rows, decay_k, decay_v, first_slot, head_gamma, load_rows, next_rows,
-                     row_of, seq_bounds, slot_chunk)
+from .common import (block_rows, decay_k, decay_k_between, decay_v, first_slot, head_gamma,
+                     load_rows, next_rows, row_of, seq_bounds, slot_chunk)
 
 
 @triton.jit
@@ -126,16 +126,13 @@ def chunk_intra_kernel(
         return
     gamma = head_gamma(g_gamma, i_n, i_h, H, GAMMA_MODE)
     o_c = tl.arange(0, BC)
-    o_t = tl.arange(0, BT)
     rows_i, mask_i = block_rows(bos, eos, p0 + i_i * BC, BC, REVERSE)
-    rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
     p_a = A + (rows_i[:, None] * H + i_h) * BT + o_c[None, :]
     op = q.dtype.element_ty
 
     for j in range(0, i_i):
         rows_j, mask_j = block_rows(bos, eos, p0 + j * BC, BC, REVERSE)
         rows_jn, mask_jn = next_rows(bos, eos, p0 + j * BC, BC, REVERSE)
-        mask_mid = mask_c & (o_t >= (j + 1) * BC) & (o_t < i_i * BC)
         acc = tl.zeros([BC, BC], dtype=tl.float32)
         for i_k in range(0, tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
@@ -146,8 +143,8 @@ def chunk_intra_kernel(
                                     G_MODE, USE_GK, GAMMA_MODE), 0)
             r_j = tl.cumsum(decay_k(g, gk, gamma, rows_jn, mask_jn, i_h, o_k, mask_k, H, K, BC,
                                     BK, G_MODE, USE_GK, GAMMA_MODE), 0, reverse=True)
-            m_ij = tl.sum(decay_k(g, gk, gamma, rows_c, mask_mid, i_h, o_k, mask_k, H, K, BT, BK,
-                                  G_MODE, USE_GK, GAMMA_MODE), 0)
+            m_ij = decay_k_between(g, gk, gamma, bos, eos, p0, j, i_i, i_h, o_k, mask_k, H, K, BT,
+                                   BC, BK, G_MODE, USE_GK, GAMMA_MODE, REVERSE)
             b_qg = (b_q * tl.exp(l_i)).to(op)
             b_kg = (b_k * tl.exp(r_j + m_ij[None, :])).to(op)
             acc += tl.dot(b_qg, tl.trans(b_kg), input_precision=DOT_PREC)
@@ -240,7 +237,8 @@ def chunk_output_kernel(
                               mask=mask_k[:, None] & mask_v[None, :], other=0.)
                 acc += tl.dot(b_q.to(op), b_h.to(op), input_precision=DOT_PREC)
             lb_i = tl.cumsum(decay_v(gv, rows_i, mask_i, i_h, o_v, mask_v, H, V, USE_GV, BC, BV), 0)
-            fb_pre = tl.sum(decay_v(gv, rows_c, mask_pre, i_h, o_v, mask_v, H, V, USE_GV, BT, BV), 0)
+            fb_pre = tl.sum(decay_v(gv, rows_c, mask_pre, i_h, o_v, mask_v, H, V, USE_GV, BT, BV),
+                            0)
             acc *= tl.exp(lb_i + fb_pre[None, :])
             p_a = A + (rows_i[:, None] * H + i_h) * BT + o_c[None, :]
             mb = tl.zeros([BV], dtype=tl.float32)

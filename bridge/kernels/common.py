@@ -153,6 +153,20 @@ def decay_k(g, gk, gamma, rows, mask_t, i_h, o_k, mask_k, H: tl.constexpr, K: tl
 
 
 @triton.jit
+def decay_k_between(g, gk, gamma, bos, eos, p0, j, i, i_h, o_k, mask_k, H: tl.constexpr,
+                    K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                    G_MODE: tl.constexpr, USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr,
+                    REVERSE: tl.constexpr):
+    """Total key-side log decay over the sub-chunks strictly between j < i of the
+    chunk at p0, fp32 [BK] (0 when they are adjacent): a same-sign sum."""
+    rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
+    o_t = tl.arange(0, BT)
+    m = mask_c & (o_t >= (j + 1) * BC) & (o_t < i * BC)
+    return tl.sum(decay_k(g, gk, gamma, rows_c, m, i_h, o_k, mask_k, H, K, BT, BK, G_MODE, USE_GK,
+                          GAMMA_MODE), 0)
+
+
+@triton.jit
 def decay_v(gv, rows, mask_t, i_h, o_v, mask_v, H: tl.constexpr, V: tl.constexpr,
             USE_GV: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
     """Per-step log decays along V (gv), fp32 [BT, BV]; 0 when absent or masked."""

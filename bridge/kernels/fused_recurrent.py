@@ -387,7 +387,7 @@ def _combine(plan, use_dht, NV, combine_bk, bvf, dfa, dfb, dgamma_part) -> Launc
 
 # ---------------------------------------------------------------- HBM traffic
 
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
 
 
 def _with_bytes(plan, launches) -> list:
