@@ -298,3 +298,9 @@ def test_float64_inputs(mode):
     want = oracle.recurrent_grads(q, k, v, g=g, do=np.ones_like(want_o),
                                   dfinal_state=np.zeros_like(want_s))
     assert rel_err(t[3].grad.numpy(), want["g"]) < 2e-5
+
+
+def test_cost_rule_uses_the_kernels_chunk_length():
+    """contract.kernel_costs counts state-pass steps in chunks of the kernels' own
+    length (the contract cannot import the Triton kernels to read it)."""
+    assert contract.CHUNK_LEN == chunk.BT
