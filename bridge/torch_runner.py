@@ -10,6 +10,9 @@ warps and stages per kernel variant instead (`triton.autotune`, keyed on the
 variant's constexprs and dtypes; GLA_BRIDGE_AUTOTUNE=0 turns it off); tiles
 stay the plan's, since the grid depends on them. The interpreter and JAX
 (whose launch must be fixed at trace time) run the plan's config.
+
+`wrap=True` (the torch ops on CUDA) launches through `torch.library.wrap_triton`,
+so torch.compile traces each kernel call into its graph for Inductor.
 """
 
 import os
@@ -40,7 +43,7 @@ def tuned(launch, do_bench=None):
     return _TUNED[key]
 
 
-def run(launches, env: dict, autotune=None, do_bench=None) -> dict:
+def run(launches, env: dict, autotune=None, do_bench=None, wrap=False) -> dict:
     """Execute the launches in order; their outputs are added to `env` by name.
     Absent inputs and outputs get `env['q']` as a dummy pointer (never touched:
     the kernel's flag for it is off). `autotune` defaults to CUDA tensors with
@@ -48,6 +51,8 @@ def run(launches, env: dict, autotune=None, do_bench=None) -> dict:
     dummy = env["q"]
     if autotune is None:
         autotune = dummy.is_cuda and autotuning()
+    if wrap:
+        from torch.library import wrap_triton
     for launch in launches:
         args = [dummy if name is None else env[name] for name in launch.inputs]
         outs = []
@@ -60,9 +65,11 @@ def run(launches, env: dict, autotune=None, do_bench=None) -> dict:
                                         device=dummy.device)
             outs.append(env[out.name])
         if autotune:
-            tuned(launch, do_bench)[launch.grid](*args, *launch.scalars, *outs,
-                                                 **launch.constexprs)
+            kernel = tuned(launch, do_bench)
+            (wrap_triton(kernel) if wrap else kernel)[launch.grid](
+                *args, *launch.scalars, *outs, **launch.constexprs)
         else:
-            launch.kernel[launch.grid](*args, *launch.scalars, *outs, **launch.constexprs,
-                                       num_warps=launch.num_warps, num_stages=launch.num_stages)
+            kernel = wrap_triton(launch.kernel) if wrap else launch.kernel
+            kernel[launch.grid](*args, *launch.scalars, *outs, **launch.constexprs,
+                                num_warps=launch.num_warps, num_stages=launch.num_stages)
     return env

@@ -10,12 +10,16 @@ forward(x [B,T,D], attention_mask [B,T] (1 = token, 0 = padding), cu_seqlens [N+
 (x packed as [1,total,D]), state [N,H,K,V], use_cache) returns o [B,T,D], or
 (o, state [N,H,K,V] float32) when use_cache. Padded positions get zero k, v, q and a zero
 log-gate (no decay), so the state passes them unchanged and their outputs are zero.
+
+Both layers compile with torch.compile(fullgraph=True) and export with torch.export: the
+recurrence is one custom op (see torch_side/custom_ops.py for its autocast policy).
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bridge import contract
 from bridge.weights import LayerConfig
 from . import ops
 
@@ -43,15 +47,6 @@ def check_mask(attention_mask, x, cu_seqlens):
     if tuple(attention_mask.shape) != tuple(x.shape[:2]):
         raise ValueError(f"attention_mask: expected shape [B, T] = {tuple(x.shape[:2])}, "
                          f"got {tuple(attention_mask.shape)}")
-
-
-@torch.compiler.disable
-def _call_op(layer, *args):
-    """The recurrence, outside torch.compile's graph (a graph break): tracing the chunked
-    path took ~2 minutes here, and the op launches its own kernels anyway. The op
-    accumulates in float32 itself, so autocast must not downcast its internals."""
-    with torch.autocast(args[0].device.type, enabled=False):
-        return layer._recurrence(*args)
 
 
 class _Layer(nn.Module):
@@ -115,7 +110,10 @@ class _Layer(nn.Module):
             q, k, v = (t.masked_fill(~mask, 0) for t in (q, k, v))
             if gk is not None:
                 gk = gk.masked_fill(~mask, 0)
-        o, final_state = _call_op(self, q, k, v, gk, mask, cu_seqlens, state)
+        # one gla_bridge::fwd op (torch_side/custom_ops.py): no graph break under
+        # torch.compile; under autocast it runs q, k, v in the autocast dtype and gates and
+        # states in float32
+        o, final_state = self._recurrence(q, k, v, gk, mask, cu_seqlens, state)
         o = self.g_norm(o)
         if c.use_output_gate:
             g = self._heads(self.g_proj(x), H, V)
@@ -143,18 +141,21 @@ class LightningAttention(_Layer):
 
     KIND = "lightning"
 
-    def _recurrence(self, q, k, v, gk, mask, cu_seqlens, state):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         c = self.config
-        if mask is None:
-            return ops.lightning_attn(q, k, v, c.layer_idx, c.num_layers, initial_state=state,
-                                      cu_seqlens=cu_seqlens, mode=self.mode,
-                                      platform=self.platform)
+        # lightning_attn's decay, as Python floats (exact for its float32 values), so that
+        # torch.compile traces a constant instead of NumPy code
+        self._gamma = contract.lightning_g_gamma(c.num_heads, c.layer_idx,
+                                                 c.num_layers).tolist()
+
+    def _recurrence(self, q, k, v, gk, mask, cu_seqlens, state):
+        gamma = torch.tensor(self._gamma, dtype=torch.float32, device=q.device)
+        if mask is None:  # = ops.lightning_attn
+            return ops.recurrent(q, k, v, g_gamma=gamma, initial_state=state,
+                                 cu_seqlens=cu_seqlens, mode=self.mode, platform=self.platform)
         # padding must not decay the state: the same decay as a per-head, per-step gate,
         # zeroed at padded positions
-        from bridge import contract
-
-        gamma = torch.from_numpy(contract.lightning_g_gamma(c.num_heads, c.layer_idx,
-                                                            c.num_layers)).to(q.device)
         g = torch.where(mask[..., 0], gamma, torch.zeros((), device=q.device))
         return ops.recurrent(q, k, v, g=g, initial_state=state, mode=self.mode,
                              platform=self.platform)

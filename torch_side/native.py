@@ -439,3 +439,30 @@ def recurrent_native(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, init
     o, fin = _Chunked.apply(q, k, v, a, b, h0, tab["cnt"])
     o = _Relayout.apply(o, tab, C, False).view(B, T, H, V).to(out_dtype)
     return o, fin.index_select(1, tab["unorder"]).transpose(0, 1).contiguous()
+
+
+def recurrent_native_backward(plan, inputs, cu_seqlens, do, dfinal_state, chunk_size=64):
+    """Gradients of the present inputs (q, k, v, g, gk, gv, g_gamma, initial_state order,
+    absent ones None in `inputs`), each in its input's dtype and shape; `do` [B,T,H,V] and
+    `dfinal_state` [N,H,K,V] may be None. The forward is recomputed under autograd (its
+    saved tensors depend on the gate values, so they cannot leave an op whose outputs
+    need fixed shapes); the hand-written backward above then runs once."""
+    present = [x for x in inputs if x is not None]
+    # an op's kernel runs below autograd (its dispatch keys excluded): switch them back on
+    C = torch._C
+    below = C._dispatch_tls_local_exclude_set()
+    below = below.remove(C.DispatchKey.AutogradFunctionality)
+    with C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), below), \
+            torch.enable_grad():
+        leaves = [x.detach().requires_grad_() for x in present]
+        it = iter(leaves)
+        q, k, v, g, gk, gv, g_gamma, h0 = (None if x is None else next(it) for x in inputs)
+        o, fin = recurrent_native(plan, q, k, v, g=g, gk=gk, gv=gv, g_gamma=g_gamma,
+                                  initial_state=h0, cu_seqlens=cu_seqlens,
+                                  chunk_size=chunk_size)
+        outs = [(y, dy) for y, dy in ((o, do), (fin, dfinal_state)) if dy is not None]
+        if not outs:
+            return [torch.zeros_like(x) for x in present]
+        got = torch.autograd.grad([y for y, _ in outs], leaves, [dy.to(y.dtype) for y, dy in outs],
+                                  allow_unused=True)
+    return [torch.zeros_like(x) if d is None else d.to(x.dtype) for x, d in zip(present, got)]

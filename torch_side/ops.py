@@ -6,21 +6,48 @@ CUDA tensors, torch on CPU tensors, except that mode="fused_recurrent" on CPU
 means the interpreted Triton kernel). `mode`: "fused_recurrent", "chunk" or
 "auto" (Triton kernels only: the cheaper family by `contract.kernel_costs`, fused
 recurrent for short sequences and decoding; the torch platform is chunked).
+
+Every call validates its arguments (`bridge.contract.check`), then runs one
+`gla_bridge::fwd` custom op (torch_side/custom_ops.py), which owns autograd, fake
+tensors, autocast and vmap: torch.compile(fullgraph=True) and torch.export see one node.
 """
 
 import torch
 
 from bridge import contract, variants
-from . import triton_launch
+from . import custom_ops, triton_launch
 
 PLATFORMS = ("auto", "triton", "torch")
+
+
+class _TracedValues:
+    """cu_seqlens as `contract.check` sees it while its values are traced (torch.compile,
+    torch.func transforms): a torch tensor's shape, dtype and device, and no values
+    (`contract.known_values` gives None, as for a JAX tracer; SPEC: checked when known)."""
+
+    def __init__(self, x):
+        self.shape, self.dtype, self.device = tuple(x.shape), x.dtype, x.device
+
+    def detach(self):
+        return self
+
+    def cpu(self):
+        return self
+
+    def numpy(self):
+        return None
+
+
+def _values_traced(x) -> bool:
+    return x is not None and (torch.compiler.is_compiling()
+                              or torch._C._functorch.peek_interpreter_stack() is not None)
 
 
 def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
               initial_state=None, reverse=False, cu_seqlens=None, *, platform="auto",
               mode="auto"):
-    plan = contract.check(q, k, v, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse,
-                          cu_seqlens)
+    cu = _TracedValues(cu_seqlens) if _values_traced(cu_seqlens) else cu_seqlens
+    plan = contract.check(q, k, v, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu)
     platform = contract.route(platform, mode, PLATFORMS, "torch", gpu=q.device.type == "cuda")
 
     def batched(x):
@@ -28,22 +55,20 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
             return None
         return (x.unsqueeze(0) if plan.packed else x).contiguous()
 
+    if platform == "torch":
+        mode = "torch"
+    else:
+        triton_launch.check_device(q)
+        mode = contract.kernel_mode(mode, plan)
     tokens = [batched(x) for x in (q, k, v, g, gk, gv)]
     rest = [None if x is None else x.contiguous() for x in (g_gamma, initial_state)]
-    if platform == "torch":
-        from .native import recurrent_native
-
-        o, final_state = recurrent_native(plan, *tokens[:3], g=tokens[3], gk=tokens[4],
-                                          gv=tokens[5], g_gamma=rest[0], initial_state=rest[1],
-                                          cu_seqlens=cu_seqlens)
-    else:
-        o, final_state = triton_launch.TritonKernels.apply(
-            plan, contract.kernel_mode(mode, plan), cu_seqlens, *tokens, *rest)
+    o, final_state = custom_ops.fwd(*tokens, *rest, cu_seqlens, plan.scale, plan.reverse, mode)
     return (o[0] if plan.packed else o), final_state
 
 
 recurrent.__doc__ = variants.RECURRENT_DOC
 
 
+# torch.tensor of Python floats (exact for float32 values), not from_numpy: traceable
 recurrent_gla, lightning_attn, gla_attention = variants.named_variants(
-    recurrent, lambda a, like: torch.from_numpy(a).to(like.device))
+    recurrent, lambda a, like: torch.tensor(a.tolist(), dtype=torch.float32, device=like.device))

@@ -1,8 +1,11 @@
-"""The autograd Function over the `bridge` kernels, launched on torch tensors.
+"""The `bridge` kernels launched on torch tensors: the bodies of the Triton path of the
+`gla_bridge` ops (torch_side/custom_ops.py), which own autograd.
 
 On CUDA tensors the kernels compile for the GPU; on CPU tensors they run in
 Triton's interpreter (`bridge.kernels` switches it on when no GPU driver is
 active), which is exact but slow: about 3 ms per time step per program.
+`wrap=True` launches through `torch.library.wrap_triton`, so that a trace
+(Inductor, on CUDA) sees each kernel call instead of an opaque op.
 """
 
 import torch
@@ -15,7 +18,8 @@ from bridge.torch_runner import run
 ARGS = grads.INPUTS
 
 
-def _check_device(q):
+def check_device(q):
+    """ValueError unless the Triton kernels can run on q's device (before any launch)."""
     if q.device.type == "cpu" and not INTERPRETED:
         raise ValueError("q: platform='triton' on CPU tensors needs the Triton interpreter; "
                          "set TRITON_INTERPRET=1 before anything imports triton, or use "
@@ -25,34 +29,34 @@ def _check_device(q):
                          f"got device {q.device}")
 
 
-class TritonKernels(torch.autograd.Function):
-    """The `bridge` kernels of `mode` ("chunk" or "fused_recurrent"). Inputs in the
-    batched layout, contiguous; absent ones are None.
-    Returns (o [B,T,H,V], final_state [N,H,K,V] fp32)."""
+def forward(plan, mode, inputs, cu_seqlens, wrap=False):
+    """inputs: q, k, v, g, gk, gv, g_gamma, initial_state (batched layout, contiguous,
+    absent ones None). Returns (o [B,T,H,V] in q's dtype, final_state [N,H,K,V] fp32)."""
+    env = dict(zip(ARGS, inputs), cu_seqlens=cu_seqlens)
+    env = run(family(mode).forward_launches(plan), env, wrap=wrap)
+    return env["o"], env["final_state"]
 
-    @staticmethod
-    def forward(ctx, plan, mode, cu_seqlens, q, k, v, g, gk, gv, g_gamma, initial_state):
-        _check_device(q)
-        env = dict(zip(ARGS, (q, k, v, g, gk, gv, g_gamma, initial_state)), cu_seqlens=cu_seqlens)
-        env = run(family(mode).forward_launches(plan), env)
-        ctx.plan, ctx.mode = plan, mode
-        ctx.save_for_backward(cu_seqlens, q, k, v, g, gk, gv, g_gamma, initial_state,
-                              env["final_state"])
-        ctx.set_materialize_grads(False)
-        return env["o"], env["final_state"]
 
-    @staticmethod
-    def backward(ctx, do, dfinal_state):
-        plan = ctx.plan
-        cu_seqlens, *inputs, final_state = ctx.saved_tensors
-        if do is None:
-            do = torch.zeros(inputs[0].shape[:-1] + inputs[2].shape[-1:], dtype=torch.float32,
-                             device=inputs[0].device)
-        env = dict(zip(ARGS, inputs), cu_seqlens=cu_seqlens, final_state=final_state,
-                   do=do.contiguous(),
-                   dfinal_state=None if dfinal_state is None else dfinal_state.contiguous())
-        kernels = family(ctx.mode)
-        env = run(kernels.backward_launches(plan, use_dht=dfinal_state is not None), env)
-        got = grads.assemble(plan, env)
-        return (None, None, None, *(None if x is None else got[name].to(x.dtype)
-                                    for name, x in zip(ARGS, inputs)))
+def backward(plan, mode, inputs, cu_seqlens, final_state, do, dfinal_state, wrap=False):
+    """Gradients of the present inputs, in ARGS order, each in its input's dtype and shape.
+    `final_state` only where the launches read it (`needs_final_state`); `do` or
+    `dfinal_state` may be None (no cotangent)."""
+    q, v = inputs[0], inputs[2]
+    if do is None:
+        do = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=torch.float32, device=q.device)
+    env = dict(zip(ARGS, inputs), cu_seqlens=cu_seqlens, final_state=final_state,
+               do=do.contiguous(),
+               dfinal_state=None if dfinal_state is None else dfinal_state.contiguous())
+    env = run(family(mode).backward_launches(plan, use_dht=dfinal_state is not None), env,
+              wrap=wrap)
+    got = grads.assemble(plan, env)
+    return [got[name].to(x.dtype) for name, x in zip(ARGS, inputs) if x is not None]
+
+
+def needs_final_state(plan, mode) -> bool:
+    """Whether the backward launches read the forward's final state (so autograd saves it)."""
+    if mode != "chunk":
+        return False
+    from bridge.kernels.common import key_gated
+
+    return plan.gv or key_gated(plan)

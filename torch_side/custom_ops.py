@@ -1,0 +1,272 @@
+"""The recurrence as `torch.library` custom ops, so torch.compile(fullgraph=True),
+torch.export, autocast and torch.func.vmap see one node per call.
+
+    gla_bridge::fwd(q, k, v, g?, gk?, gv?, g_gamma?, initial_state?, cu_seqlens?,
+                    scale, reverse, mode) -> (o [B,T,H,V] in q's dtype, final_state [N,H,K,V])
+    gla_bridge::bwd(the same inputs, final_state?, do?, dfinal_state?, scale, reverse, mode)
+                    -> [gradient of each present input, in its dtype and shape]
+
+Inputs are in the batched layout (packed inputs viewed as [1, total, H, *]), contiguous,
+already validated by `bridge.contract.check` (ops.recurrent calls it first). `mode`:
+"torch" (the chunked torch path, torch_side/native.py; final_state float64 for float64 q,
+else float32) or a Triton family, "chunk" / "fused_recurrent" (final_state float32).
+
+Autograd: `bwd` is the registered backward (one node in a compiled backward graph); it
+saves the inputs and, only where the Triton launches read it, the final state. Mode
+"torch" recomputes its forward inside `bwd` (the tensors it would save have shapes that
+depend on the gate values, so they cannot be op outputs). No double backward; torch.func
+grad/vjp refuse torch's generated custom-op autograd Function (torch.autograd works).
+Autocast (cpu and cuda): q, k, v run in the autocast dtype, gates and states in float32
+(log decays summed over many steps lose too much in 16 bits); inside, the ops
+accumulate in float32 with autocast off. vmap: the mapped axis folds into the batch (into
+the packed sequences with cu_seqlens): one launch. On CUDA, under torch.compile, the
+Triton path decomposes into `gla_bridge::triton_fwd` / `triton_bwd` (torch.library
+triton_op, launches through wrap_triton), so Inductor sees the kernels; on CPU the
+interpreted launches stay inside the opaque op.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from bridge import contract
+from bridge.kernels import INTERPRETED
+from . import triton_launch
+from .native import recurrent_native, recurrent_native_backward
+
+MODES = ("torch", "chunk", "fused_recurrent")
+# Triton compiles for a GPU here: the CUDA path goes through triton_op (see module doc)
+CUDA_TRITON = not INTERPRETED and torch.cuda.is_available()
+
+
+def plan_of(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, reverse):
+    """The contract's Plan of already-checked inputs in the batched layout (shapes only)."""
+    B, T, H, K = q.shape
+    return contract.Plan(
+        B=B, T=T, H=H, Hk=k.shape[2], K=K, V=v.shape[3],
+        N=B if cu_seqlens is None else cu_seqlens.shape[0] - 1,
+        g="none" if g is None else "head" if g.dim() == 3 else "key",
+        gk=gk is not None, gv=gv is not None,
+        g_gamma="none" if g_gamma is None else "head" if g_gamma.dim() == 1 else "seq",
+        initial_state=initial_state is not None, scale=scale, reverse=reverse,
+        varlen=cu_seqlens is not None, packed=False, dtype=contract.dtype_name(q))
+
+
+def _check_mode(mode):
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+
+
+def _distinct(grads, inputs):
+    """Custom op outputs may alias neither an input nor each other (g and gk share one
+    gate gradient): clone any that would. An empty gradient (no tokens) may be a view of
+    an input with no data to compare: always a fresh one."""
+    seen = {x.untyped_storage().data_ptr() for x in inputs if x is not None and x.numel()}
+    out = []
+    for d in grads:
+        if not d.numel():
+            out.append(d.new_empty(d.shape))
+            continue
+        ptr = d.untyped_storage().data_ptr()
+        if ptr in seen:
+            d = d.clone()
+            ptr = d.untyped_storage().data_ptr()
+        seen.add(ptr)
+        out.append(d)
+    return out
+
+
+@torch.library.custom_op("gla_bridge::fwd", mutates_args=())
+def fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tensor],
+        gv: Optional[Tensor], g_gamma: Optional[Tensor], initial_state: Optional[Tensor],
+        cu_seqlens: Optional[Tensor], scale: float, reverse: bool,
+        mode: str) -> tuple[Tensor, Tensor]:
+    _check_mode(mode)
+    if cu_seqlens is not None and (mode == "torch" or cu_seqlens.device.type == "cpu"):
+        # values traced by the caller (torch.compile, vmap) are concrete here; read them
+        # where that costs no device sync (ops.recurrent checked everything else)
+        contract.check(q, k, v, cu_seqlens=cu_seqlens)
+    plan = plan_of(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, reverse)
+    # the op accumulates in float32 itself: autocast must not downcast its internals
+    with torch.autocast(q.device.type, enabled=False):
+        if mode == "torch":
+            return recurrent_native(plan, q, k, v, g=g, gk=gk, gv=gv, g_gamma=g_gamma,
+                                    initial_state=initial_state, cu_seqlens=cu_seqlens)
+        triton_launch.check_device(q)
+        return triton_launch.forward(plan, mode, (q, k, v, g, gk, gv, g_gamma, initial_state),
+                                     cu_seqlens)
+
+
+@fwd.register_fake
+def _fwd_fake(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, reverse, mode):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    wide = mode == "torch" and q.dtype == torch.float64
+    return (q.new_empty(B, T, H, V),
+            q.new_empty(N, H, K, V, dtype=torch.float64 if wide else torch.float32))
+
+
+@torch.library.custom_op("gla_bridge::bwd", mutates_args=())
+def bwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tensor],
+        gv: Optional[Tensor], g_gamma: Optional[Tensor], initial_state: Optional[Tensor],
+        cu_seqlens: Optional[Tensor], final_state: Optional[Tensor], do: Optional[Tensor],
+        dfinal_state: Optional[Tensor], scale: float, reverse: bool,
+        mode: str) -> list[Tensor]:
+    _check_mode(mode)
+    inputs = (q, k, v, g, gk, gv, g_gamma, initial_state)
+    plan = plan_of(*inputs, cu_seqlens, scale, reverse)
+    with torch.autocast(q.device.type, enabled=False):
+        if mode == "torch":
+            got = recurrent_native_backward(plan, inputs, cu_seqlens, do, dfinal_state)
+        else:
+            triton_launch.check_device(q)
+            got = triton_launch.backward(plan, mode, inputs, cu_seqlens, final_state, do,
+                                         dfinal_state)
+    # contiguous, as the fake promises (a [N,H] g_gamma's gradient can come transposed)
+    return _distinct([d.contiguous() for d in got], (*inputs, final_state, do, dfinal_state))
+
+
+@bwd.register_fake
+def _bwd_fake(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, final_state, do,
+              dfinal_state, scale, reverse, mode):
+    return [x.new_empty(x.shape) for x in (q, k, v, g, gk, gv, g_gamma, initial_state)
+            if x is not None]
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, gk, gv, g_gamma, h0, cu, scale, reverse, mode = inputs
+    keep = mode != "torch" and triton_launch.needs_final_state(
+        plan_of(q, k, v, g, gk, gv, g_gamma, h0, cu, scale, reverse), mode)
+    ctx.save_for_backward(q, k, v, g, gk, gv, g_gamma, h0, cu, output[1] if keep else None)
+    ctx.scale, ctx.reverse, ctx.mode = scale, reverse, mode
+    ctx.set_materialize_grads(False)  # an unused output's cotangent stays None: less work
+
+
+def _backward(ctx, do, dfinal_state):
+    *inputs, cu, final_state = ctx.saved_tensors
+    got = iter(bwd(*inputs, cu, final_state, do, dfinal_state, ctx.scale, ctx.reverse,
+                   ctx.mode))
+    return (*(None if x is None else next(got) for x in inputs), None, None, None, None)
+
+
+fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------- autocast
+_LIB = torch.library.Library("gla_bridge", "FRAGMENT")
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _autocast_kernel(device_type):
+    """q, k, v in the autocast dtype; gates and states in float32; then the op with this
+    autocast key excluded. The casts are recorded by autograd, so gradients come back in
+    each input's own dtype."""
+    key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+    excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+    def kernel(_keyset, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale,
+               reverse, mode):
+        low = torch.get_autocast_dtype(device_type)
+        to_low = lambda x: x.to(low) if x.dtype == torch.float32 else x
+        to_32 = lambda x: None if x is None else x.float() if x.dtype in _LOW else x
+        with torch._C._ExcludeDispatchKeyGuard(excluded):
+            return fwd._opoverload(to_low(q), to_low(k), to_low(v), *map(to_32, (
+                g, gk, gv, g_gamma, initial_state)), cu_seqlens, scale, reverse, mode)
+
+    _LIB.impl("fwd", kernel, key, with_keyset=True)
+
+
+for _device_type in ("cpu", "cuda"):
+    _autocast_kernel(_device_type)
+
+
+# ---------------------------------------------------------------- vmap
+@fwd.register_vmap
+def _fwd_vmap(info, in_dims, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale,
+              reverse, mode):
+    """Fold the mapped axis X into the batch: [X,B,T,..] -> [X*B,T,..]; with cu_seqlens
+    (B = 1) into the packed tokens, the X copies of the offsets shifted by T each."""
+    X = info.batch_size
+    if in_dims[8] is not None:
+        raise ValueError("cu_seqlens: torch.func.vmap over cu_seqlens is not supported; "
+                         "pack the sequences into one cu_seqlens instead")
+
+    def lead(x, d):  # the mapped axis first (an unmapped input is broadcast)
+        if x is None:
+            return None
+        return x.movedim(d, 0) if d is not None else x.expand(X, *x.shape)
+
+    tokens = [lead(x, d) for x, d in zip((q, k, v, g, gk, gv), in_dims[:6])]
+    B, T = tokens[0].shape[1:3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if g_gamma is not None and (in_dims[6] is not None or g_gamma.dim() == 2):
+        gam = lead(g_gamma, in_dims[6])  # [X,H] or [X,N,H] -> one row per folded sequence
+        if gam.dim() == 2:
+            gam = gam[:, None].expand(X, N, gam.shape[-1])
+        g_gamma = gam.reshape(X * N, -1).contiguous()
+    if initial_state is not None:
+        initial_state = lead(initial_state, in_dims[7]).reshape(X * N, *initial_state.shape[-3:])
+        initial_state = initial_state.contiguous()
+    if cu_seqlens is None:
+        tokens = [None if x is None else x.reshape(X * B, *x.shape[2:]).contiguous()
+                  for x in tokens]
+    else:
+        tokens = [None if x is None else x.reshape(1, X * T, *x.shape[3:]).contiguous()
+                  for x in tokens]
+        shift = torch.arange(X, dtype=cu_seqlens.dtype, device=cu_seqlens.device)[:, None] * T
+        cu_seqlens = torch.cat([(cu_seqlens[None, :-1] + shift).reshape(-1),
+                                cu_seqlens.new_full((1,), X * T)])
+    o, final_state = fwd(*tokens, g_gamma, initial_state, cu_seqlens, scale, reverse, mode)
+    return (o.reshape(X, B, T, *o.shape[2:]), final_state.reshape(X, N, *final_state.shape[1:])), (0, 0)
+
+
+# ---------------------------------------------------------------- CUDA: triton_op
+# Defined everywhere (on CPU they run eagerly, interpreted: wrap_triton passes interpreted
+# kernels through), used for the decomposition only where Triton compiles for a GPU. The
+# compiled decomposition has not run yet: no GPU has been lent to this project.
+@torch.library.triton_op("gla_bridge::triton_fwd", mutates_args=())
+def triton_fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tensor],
+               gv: Optional[Tensor], g_gamma: Optional[Tensor],
+               initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
+               reverse: bool, mode: str) -> tuple[Tensor, Tensor]:
+    plan = plan_of(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, reverse)
+    return triton_launch.forward(plan, mode, (q, k, v, g, gk, gv, g_gamma, initial_state),
+                                 cu_seqlens, wrap=True)
+
+
+@torch.library.triton_op("gla_bridge::triton_bwd", mutates_args=())
+def triton_bwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tensor],
+               gv: Optional[Tensor], g_gamma: Optional[Tensor],
+               initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+               final_state: Optional[Tensor], do: Optional[Tensor],
+               dfinal_state: Optional[Tensor], scale: float, reverse: bool,
+               mode: str) -> list[Tensor]:
+    inputs = (q, k, v, g, gk, gv, g_gamma, initial_state)
+    plan = plan_of(*inputs, cu_seqlens, scale, reverse)
+    got = triton_launch.backward(plan, mode, inputs, cu_seqlens, final_state, do,
+                                 dfinal_state, wrap=True)
+    # g and gk share one gate-gradient buffer; outputs may not alias each other
+    return [d.clone() if any(d is e for e in got[:i]) else d for i, d in enumerate(got)]
+
+
+def _decompose(into):
+    """Under AOTDispatch's functionalization, a Triton-mode call on CUDA becomes the
+    triton_op (whose wrap_triton launches Inductor compiles); export keeps gla_bridge::fwd."""
+    def rule(mode, op, types, args, kwargs):
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+
+        if (args[-1] == "torch" or args[0].device.type != "cuda"
+                or custom_triton_ops_decomposition_disabled()):
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        with mode:
+            return into(*args, **kwargs)
+    return rule
+
+
+if CUDA_TRITON:
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    fwd.register_torch_dispatch(FunctionalTensorMode, _decompose(triton_fwd))
+    bwd.register_torch_dispatch(FunctionalTensorMode, _decompose(triton_bwd))
