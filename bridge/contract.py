@@ -70,6 +70,13 @@ def _device(x):
         return None
 
 
+def _framework(x) -> str:
+    """'torch', 'numpy' or 'jax' (anything else with a shape and dtype counts as jax)."""
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    return "torch" if type(x).__module__.startswith("torch") else "jax"
+
+
 def known_values(x):
     """The values of `x` as a numpy array, or None while they are traced."""
     if isinstance(x, np.ndarray):
@@ -186,6 +193,16 @@ def check(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
     scale = _check_scale(softmax_scale, K)
     if not isinstance(reverse, (bool, np.bool_)):
         raise TypeError(f"reverse: expected a bool, got {type(reverse).__name__}")
+
+    # torch tensors mix with nothing else (the torch ops call tensor methods on
+    # every input); jax arrays mix with numpy arrays (jnp.asarray takes them)
+    given = {n: x for n, x in dict(arrays, cu_seqlens=cu_seqlens).items() if x is not None}
+    kinds = {n: _framework(x) for n, x in given.items()}
+    if "torch" in kinds.values() and len(set(kinds.values())) > 1:
+        odd = next(n for n, f in kinds.items() if f != kinds["q"])
+        raise TypeError(f"{odd}: expected a {kinds['q']} array like q (torch tensors do not mix "
+                        f"with numpy or jax arrays), got {type(given[odd]).__module__}."
+                        f"{type(given[odd]).__name__}")
 
     devices = {}
     for name, x in dict(arrays, cu_seqlens=cu_seqlens).items():

@@ -5,10 +5,13 @@ interpreter through a host callback on CPU), "xla" (the chunked algorithm in
 jax.numpy / lax), "pallas" (chunked Pallas kernels for TPU; interpret mode on any
 other machine) or "auto" (Triton on GPU, Pallas on TPU, XLA elsewhere). `mode` picks the Triton kernel family, as on the PyTorch side.
 Only Python values (scale, reverse, platform, mode) are static: `cu_seqlens`
-and `g_gamma` may be traced.
+and `g_gamma` may be traced. Reverse mode everywhere; forward mode (jax.jvp) only
+where the derivative is JAX autodiff (`forward_mode_ok`), elsewhere a TypeError
+that says why (SPEC.md, "Gradients").
 """
 
 import jax
+import jax.interpreters.ad  # noqa: F401  (JVPTracer)
 import jax.numpy as jnp
 
 from bridge import contract, variants
@@ -34,19 +37,58 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
     q, k, v, g, gk, gv = (batched(x) for x in (q, k, v, g, gk, gv))
     g_gamma, initial_state, cu_seqlens = (None if x is None else jnp.asarray(x)
                                           for x in (g_gamma, initial_state, cu_seqlens))
-    if platform in ("xla", "pallas"):
-        if platform == "xla":
-            from .xla import recurrent_xla as chunked
+    if not forward_mode_ok(plan, platform) and _in_forward_mode(
+            q, k, v, g, gk, gv, g_gamma, initial_state):
+        raise TypeError(forward_mode_message(plan, platform))
+    try:
+        if platform in ("xla", "pallas"):
+            if platform == "xla":
+                from .xla import recurrent_xla as chunked
+            else:
+                from .pallas import recurrent_pallas as chunked
+            o, final_state = chunked(plan, q, k, v, g=g, gk=gk, gv=gv, g_gamma=g_gamma,
+                                     initial_state=initial_state, cu_seqlens=cu_seqlens)
         else:
-            from .pallas import recurrent_pallas as chunked
-        o, final_state = chunked(plan, q, k, v, g=g, gk=gk, gv=gv, g_gamma=g_gamma,
-                                 initial_state=initial_state, cu_seqlens=cu_seqlens)
-    else:
-        from .triton_launch import triton_kernels
+            from .triton_launch import triton_kernels
 
-        o, final_state = triton_kernels(plan, contract.kernel_mode(mode, plan), cu_seqlens,
-                                        q, k, v, g, gk, gv, g_gamma, initial_state)
+            o, final_state = triton_kernels(plan, contract.kernel_mode(mode, plan), cu_seqlens,
+                                            q, k, v, g, gk, gv, g_gamma, initial_state)
+    except TypeError as e:
+        # jax.jvp / jacfwd traced through one of our custom_vjp rules: JAX's own
+        # message does not say which path has one, nor what works instead
+        if "forward-mode" not in str(e):
+            raise
+        raise TypeError(forward_mode_message(plan, platform)) from e
     return (o[0] if plan.packed else o), final_state
+
+
+def forward_mode_ok(plan, platform) -> bool:
+    """Whether this call's derivative is plain JAX autodiff (so jax.jvp works)."""
+    if platform != "xla":
+        return False  # Triton and Pallas: custom_vjp over their backward kernels
+    from .xla import has_custom_vjp
+
+    return not has_custom_vjp(plan)
+
+
+def _in_forward_mode(*xs) -> bool:
+    """Whether any input is traced by jax.jvp / jax.jacfwd (also inside jax.jit), so
+    the error comes before anything runs and names its cause; JAX's own TypeError
+    (caught below) covers what this cannot see."""
+    tracer = getattr(jax.interpreters.ad, "JVPTracer", None)
+    return tracer is not None and any(isinstance(x, tracer) for x in xs)
+
+
+def forward_mode_message(plan, platform) -> str:
+    """Why this call has no forward-mode derivative (SPEC.md, "Gradients")."""
+    if platform == "xla":
+        why = ("platform='xla' defines the in-chunk part of key-dim gates (g [B,T,H,K] or gk, "
+               "without gv) in float32/16 with a custom VJP")
+    else:
+        why = f"platform={platform!r} defines its derivative with a custom VJP (its backward kernels)"
+    return (f"forward-mode differentiation (jax.jvp, jax.jacfwd, jax.linearize) is not supported "
+            f"here: {why}. Use reverse mode (jax.grad, jax.vjp, jax.jacrev), or platform='xla' "
+            f"with float64 inputs (or without key-dim gates), where forward mode works.")
 
 
 recurrent.__doc__ = variants.RECURRENT_DOC

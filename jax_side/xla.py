@@ -119,6 +119,13 @@ def _scalar_intra(q, k, v, alpha, beta, tau):
     return (jnp.einsum("ztk,zsk->zts", q, k) * w) @ v
 
 
+def has_custom_vjp(plan) -> bool:
+    """Whether `_intra` takes the hand-written VJP (no forward mode): key-dim gates
+    (K > 1) without gv, accumulated in float32."""
+    return (plan.g == "key" or plan.gk) and plan.K > 1 and not plan.gv \
+        and plan.dtype != "float64"
+
+
 def _intra(q, k, v, a, b):
     """Causal in-chunk output sum_{s<=t} (sum_d q_td k_sd e^{A_td-A_sd}) v_s e^{B_t-B_s}.
 

@@ -159,11 +159,26 @@ def test_devices_differ():
         contract.check(**args)
 
 
-def test_numpy_mixes_with_any_device():
-    """numpy arrays carry no device, so they may be handed to either framework."""
+def test_numpy_mixes_with_jax():
+    """numpy arrays carry no device, so they may be handed to the JAX ops."""
     args = _args(jnp.asarray)
     args["g"] = f32(B, T, H)
     assert contract.check(**args).g == "head"
+
+
+@pytest.mark.parametrize("other", ["numpy", "jax"])
+@pytest.mark.parametrize("first", ["torch", "other"])
+def test_torch_mixes_with_nothing_else(first, other):
+    """A torch tensor beside a numpy or jax array is a TypeError naming the odd
+    argument (the torch ops would call tensor methods on it)."""
+    xp = FRAMEWORKS[other]
+    args = _args(torch.from_numpy if first == "torch" else xp)
+    args["v"] = (xp if first == "torch" else torch.from_numpy)(f32(B, T, HK, V))
+    with pytest.raises(TypeError, match=r"^v: expected a .* array like q.*got "):
+        contract.check(**args)
+    args = _args(torch.from_numpy)
+    args["cu_seqlens"] = None
+    assert contract.check(**args).B == B
 
 
 @pytest.mark.parametrize("layer_idx,num_layers,exc,name", [

@@ -317,3 +317,28 @@ def test_vmap_grad_key_gate():
         want = recurrent_grads(**x, **cot)
         for n, gr in zip(names, grads):
             assert rel(gr[i], want[n]) < FP32_TOL, n
+
+
+@pytest.mark.parametrize("g,gk,gv,K,f64", [
+    ("key", False, False, 3, False), ("none", True, False, 3, False),
+    ("key", False, True, 3, False), ("key", False, False, 1, False),
+    ("key", True, False, 3, True)])
+def test_has_custom_vjp_is_where_forward_mode_fails(g, gk, gv, K, f64):
+    """`has_custom_vjp(plan)` (what jax_side.recurrent uses to refuse forward mode
+    with a clear error) says exactly when JAX cannot trace jax.jvp through the XLA
+    path (eagerly: under an outer jit JAX raises only later, at lowering)."""
+    from jax_side.xla import has_custom_vjp
+
+    with jax.enable_x64(f64):
+        x, _, _ = make(B=1, T=5, H=1, K=K, V=2, g=g, gk=gk, gv=gv)
+        dt = jnp.float64 if f64 else jnp.float32
+        x = {n: jnp.asarray(a, dt) for n, a in x.items()}
+        plan = check(**x)
+        f = lambda x: recurrent_xla(plan, **x)
+        try:
+            jax.jvp(f, (x,), (x,))
+            failed = False
+        except TypeError as e:
+            assert "forward-mode" in str(e)
+            failed = True
+    assert failed == has_custom_vjp(plan)
