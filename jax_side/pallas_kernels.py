@@ -1,13 +1,22 @@
 """Pallas kernel bodies for one chunk of gated linear attention (TPU / interpret).
 
-Every body sees one chunk of C tokens of one (row, head, value block):
-q, k [C, Kp], v, do [C, BV], a [C, Kp] key-side log gates, b [C, BV] value-side
-log gates (optional), all float32. Running log-gate sums inside the chunk are a
-matmul with a lower-triangular ones matrix (Mosaic has no cumsum). C is 16, so
-each difference of running sums spans at most 16 gates (scan-level precision
-with strong gates), and every exponent taken is a sum of gates over a span
-(<= 0 for gates <= 0): pairs go through a masked [C, C, D] difference, never
-through e^{+A}.
+Every body sees one chunk of C = 64 tokens of one (row, head, value block):
+q, k [C, K] and v, do [C, BV] in the input dtype, a [C, K] key-side and b [C, BV]
+value-side log gates (b optional) in float32, the state [K, BV] in float32.
+
+MXU products take the input dtype's operands (bf16 stays bf16; fp16 and fp32
+take fp32 operands at HIGHEST: TPUs have no fp16 MXU path) with fp32
+accumulation. Decays are fp32 and every exponent is a sum of consecutive log
+gates (<= 0), never a difference of long running sums: running sums inside
+16-token sub-chunks and the sub-chunk totals, formed on the vector unit
+(log-step rolls), give the decays from the chunk start, to the chunk end, and
+for the pairs inside the chunk. A pair (t, s) in different sub-chunks
+j = sub(s) < i = sub(t) factors as e^{t's sub-chunk start..t} * e^{the
+sub-chunks strictly between} * e^{after s..end of sub-chunk j}: three factors
+<= 1. With key-wise gates the in-chunk matrix then comes from C-row matmuls
+(one per column sub-chunk j) and the four 16 x 16 diagonal blocks from an
+elementwise [16, 16, D] pair decay; with one gate per token (per-head g,
+g_gamma: `scalar`) it is one [C, C] product (q k^T) * W.
 """
 
 from __future__ import annotations
@@ -15,38 +24,43 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-HI = lax.Precision.HIGHEST
 F32 = jnp.float32
-NEG = -1e30
+HI = lax.Precision.HIGHEST
+C = 64  # tokens per chunk
+SUB = 16  # tokens per sub-chunk: the reference spacing of the gate exponentials
+NSUB = C // SUB
 
 
-def mm(x, y):
-    """x @ y."""
-    return jnp.dot(x, y, precision=HI, preferred_element_type=F32)
+def operand_dtype(dtype):
+    """The MXU operand dtype for inputs of `dtype`: bf16 stays, others take fp32."""
+    return jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else F32
 
 
-def mm_tn(x, y):
+def _dot(x, y, dims, od):
+    x, y = x.astype(od), y.astype(od)
+    return lax.dot_general(x, y, (dims, ((), ())), preferred_element_type=F32,
+                           precision=HI if od == F32 else None)
+
+
+def mm(x, y, od=F32):
+    """x @ y with operands in `od` (fp32: HIGHEST)."""
+    return _dot(x, y, ((1,), (0,)), od)
+
+
+def mm_tn(x, y, od=F32):
     """x^T @ y (contract the leading dims)."""
-    return lax.dot_general(x, y, (((0,), (0,)), ((), ())), precision=HI,
-                           preferred_element_type=F32)
+    return _dot(x, y, ((0,), (0,)), od)
 
 
-def mm_nt(x, y):
+def mm_nt(x, y, od=F32):
     """x @ y^T (contract the trailing dims)."""
-    return lax.dot_general(x, y, (((1,), (1,)), ((), ())), precision=HI,
-                           preferred_element_type=F32)
+    return _dot(x, y, ((1,), (1,)), od)
 
 
 def _iota2(n, m):
     return lax.broadcasted_iota(jnp.int32, (n, m), 0), lax.broadcasted_iota(jnp.int32, (n, m), 1)
-
-
-def tri(C, strict=False, upper=False):
-    """[C, C] ones below (or above) the diagonal, diagonal included unless strict."""
-    r, c = _iota2(C, C)
-    m = (c < r if strict else c <= r) if not upper else (c > r if strict else c >= r)
-    return m.astype(F32)
 
 
 def column(row):
@@ -56,44 +70,178 @@ def column(row):
     return jnp.sum(jnp.where(r == c, jnp.broadcast_to(row, (D, D)), 0.0), axis=1, keepdims=True)
 
 
-def pair_decay(A, strict=False):
-    """e^{A_t - A_s} for s <= t (s < t if strict), else 0: [C(t), C(s), D]."""
-    C, D = A.shape
-    t = lax.broadcasted_iota(jnp.int32, (C, C, D), 0)
-    s = lax.broadcasted_iota(jnp.int32, (C, C, D), 1)
-    m = s < t if strict else s <= t
-    d = A[:, None, :] - A[None, :, :]
-    return jnp.where(m, jnp.exp(jnp.where(m, d, 0.0)), 0.0)
+def sub_rows(j, D):
+    """[C, D] mask of the rows of sub-chunk j."""
+    r = lax.broadcasted_iota(jnp.int32, (C, D), 0)
+    return (r >= j * SUB) & (r < (j + 1) * SUB)
 
 
-class Chunk:
-    """The per-chunk quantities shared by the kernels (see the module docstring)."""
+def scan(x, seg=C, reverse=False, exclusive=False):
+    """Running sums of x [C, D] down the rows (up with `reverse`) inside segments of
+    `seg` rows, inclusive or exclusive: log-step rolls on the vector unit (a selector
+    matmul would cost the MXU six fp32 passes of C rows for a few adds)."""
+    n = x.shape[0]
+    pos = lax.rem(lax.broadcasted_iota(jnp.int32, x.shape, 0), jnp.int32(seg))
+    if reverse:
+        pos = seg - 1 - pos
+    def shift(y, s):  # row t gets row t - s (t + s with `reverse`)
+        return pltpu.roll(y, n - s if reverse else s, 0)
 
-    def __init__(self, q, k, a, b):
-        C = q.shape[0]
-        L = tri(C)
-        self.C, self.q, self.k = C, q, k
-        self.A = mm(L, a)
-        self.At = self.A[C - 1:, :]  # [1, Kp]: the whole chunk's key-side decay
-        self.eA = jnp.exp(self.A)
-        self.eAr = jnp.exp(self.At - self.A)  # from after s to the chunk's end
-        self.has_b = b is not None
-        if self.has_b:
-            self.B = mm(L, b)
-            self.Bt = self.B[C - 1:, :]
-            self.eB, self.eBr = jnp.exp(self.B), jnp.exp(self.Bt - self.B)
+    y, s = x, 1
+    while s < seg:
+        y = y + jnp.where(pos >= s, shift(y, s), 0.0)
+        s *= 2
+    return jnp.where(pos >= 1, shift(y, 1), 0.0) if exclusive else y
 
-    def decay_state(self, S):
-        """diag(e^At) S diag(e^Bt) for S [Kp, BV]."""
-        S = column(jnp.exp(self.At)) * S
-        return S * jnp.exp(self.Bt) if self.has_b else S
 
-    def weights(self):
-        """E [C,C,Kp] = e^{A_t-A_s} (s <= t), P [C,C] = sum_d q_td k_sd E_tsd, F [C,C,BV] or None."""
-        E = pair_decay(self.A)
-        P = jnp.sum(self.q[:, None, :] * self.k[None, :, :] * E, axis=2)
-        F = pair_decay(self.B) if self.has_b else None
-        return E, P, F
+def _rows(vals, D):
+    """[C, D] whose rows of sub-chunk m hold vals[m] ([1, D] or [1, 1]; None: 0)."""
+    return jnp.concatenate([jnp.zeros((SUB, D), F32) if v is None else jnp.broadcast_to(v, (SUB, D))
+                            for v in vals], axis=0)
+
+
+def _sum(vals):
+    out = vals[0]
+    for v in vals[1:]:
+        out = out + v
+    return out
+
+
+class _Sums:
+    """Sums of consecutive log gates x [C, D], all by vector adds: local [C, D] from t's
+    sub-chunk start to t, tail [C, D] after t to its sub-chunk end, totals T[m]
+    [1, D] of each sub-chunk, and per row t of sub-chunk i: before (T[:i]) and
+    after (T[i+1:]); each <= 0, none a difference of two sums."""
+
+    def __init__(self, x):
+        D = x.shape[1]
+        self.D = D
+        self.local = scan(x, SUB)
+        self.tail = scan(x, SUB, reverse=True, exclusive=True)
+        self.T = [self.local[m * SUB + SUB - 1:m * SUB + SUB] for m in range(NSUB)]
+        self.tot = _sum(self.T)
+        self.before = _rows([None] + [_sum(self.T[:m]) for m in range(1, NSUB)], D)
+        self.after = _rows([_sum(self.T[m + 1:]) for m in range(NSUB - 1)] + [None], D)
+
+    def between(self, j):
+        """[C, D] for rows of sub-chunks i > j: T[j+1:i] (0 for i = j + 1); None before."""
+        zero = jnp.zeros((1, self.D), F32)
+        return _rows([None] * (j + 1) + [zero if i == j + 1 else _sum(self.T[j + 1:i])
+                                         for i in range(j + 1, NSUB)], self.D)
+
+
+class Decay:
+    """The exponentials of one side's log gates x [C, D] over one chunk.
+
+    start [C, D] e^{x_0 + .. + x_t}; total [1, D] and total_col [D, 1] the whole
+    chunk's e^{sum x}; with `inner` also end [C, D] e^{x_{t+1} + .. + x_{C-1}};
+    head [C, D] e^{sum from t's sub-chunk start to t}; tail [C, D] e^{sum after t
+    to its sub-chunk end}; between[j] [C, D] e^{sum over the sub-chunks strictly
+    between j and sub(t)} for rows of sub-chunks after j, else 0;
+    local [C, D] the exponent of head (for the diagonal blocks' pair decays).
+    """
+
+    def __init__(self, x, inner=True):
+        sm = _Sums(x)
+        self.total, self.total_col = jnp.exp(sm.tot), jnp.exp(column(sm.tot))
+        self.start = jnp.exp(sm.before + sm.local)
+        if not inner:
+            return
+        tail = sm.tail
+        self.local = sm.local
+        self.end = jnp.exp(sm.after + tail)
+        self.head, self.tail = jnp.exp(sm.local), jnp.exp(tail)
+        rows = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+        self.between = [jnp.where(rows >= (j + 1) * SUB, jnp.exp(sm.between(j)), 0.0)
+                        for j in range(NSUB - 1)]
+
+    def pairs(self, i):
+        """[SUB(t), SUB(s), D] e^{x_{s+1} + .. + x_t} for s < t inside sub-chunk i, else 0
+        (the pairs s = t have weight 1 and are handled whole, see Intra)."""
+        A = self.local[i * SUB:(i + 1) * SUB]
+        t = lax.broadcasted_iota(jnp.int32, (SUB, SUB, A.shape[1]), 0)
+        s = lax.broadcasted_iota(jnp.int32, (SUB, SUB, A.shape[1]), 1)
+        m = s < t
+        return jnp.where(m, jnp.exp(jnp.where(m, A[:, None, :] - A[None, :, :], 0.0)), 0.0)
+
+
+def row(col):
+    """[C, 1] -> [1, C] without a transpose."""
+    n = col.shape[0]
+    r, c = _iota2(n, n)
+    return jnp.sum(jnp.where(r == c, jnp.broadcast_to(col, (n, n)), 0.0), axis=0, keepdims=True)
+
+
+class ScalarDecay:
+    """Decay's quantities for one log gate per token (x [C, 1]: per-head gates,
+    g_gamma): start, end [C, 1], total = total_col [1, 1], and W [C, C]
+    e^{x_{s+1} + .. + x_t} for s <= t (else 0), factored like the key-wise pairs:
+    inside a sub-chunk a difference of sums over <= 16 gates, across sub-chunks
+    (t's part of its sub-chunk) + (whole sub-chunks between) + (s's rest of its)."""
+
+    def __init__(self, x, weights=True):
+        sm = _Sums(x)
+        self.total = self.total_col = jnp.exp(sm.tot)
+        tail = sm.tail
+        self.start, self.end = jnp.exp(sm.before + sm.local), jnp.exp(sm.after + tail)
+        if not weights:
+            return
+        r, c = _iota2(C, C)
+        si, sj = lax.div(r, jnp.int32(SUB)), lax.div(c, jnp.int32(SUB))
+        btw = jnp.zeros((C, C), F32)
+        for i in range(2, NSUB):
+            for j in range(i - 1):
+                btw = jnp.where((si == i) & (sj == j), _sum(sm.T[j + 1:i]), btw)
+        D = jnp.where(si == sj, sm.local - row(sm.local), sm.local + btw + row(tail))
+        self.W = jnp.where(c <= r, jnp.exp(jnp.where(c <= r, D, 0.0)), 0.0)
+
+
+def _blk(x, i):
+    return x[i * SUB:(i + 1) * SUB]
+
+
+class Intra:
+    """The in-chunk (s <= t) part of o for one chunk, and what its gradient reuses.
+
+    Off-diagonal sub-chunk pairs: P[j] [C, C] = (q head between[j]) (k tail)^T on
+    the columns of sub-chunk j; diagonal blocks: Pd[i] [SUB, SUB] elementwise over
+    s < t; the pairs s = t: Ptt [C, 1] = q_t . k_t. Keeping s = t apart lets the
+    gate gradients leave its O(1) terms out exactly (they cancel in dA).
+    """
+
+    def __init__(self, q, k, da, od):
+        self.kt = k * da.tail
+        qh = q * da.head
+        self.qj = [qh * w for w in da.between]
+        self.P = [mm_nt(qj, jnp.where(sub_rows(j, k.shape[1]), self.kt, 0.0), od)
+                  for j, qj in enumerate(self.qj)]
+        self.F = [da.pairs(i) for i in range(NSUB)]
+        self.Pd = [jnp.sum(_blk(q, i)[:, None, :] * _blk(k, i)[None, :, :] * self.F[i], axis=2)
+                   for i in range(NSUB)]
+        self.Ptt = jnp.sum(q * k, axis=1, keepdims=True)
+
+    def off(self, v, vr, db, od):
+        """The off-diagonal blocks' sum_s P[t, s] v_s (e^{b_{s+1} + .. + b_t}): [C, BV];
+        vr is v in the input dtype (the MXU operand when there is no value gate)."""
+        if db is None:
+            return mm(sum(self.P), vr, od)
+        vt = v * db.tail
+        return db.head * sum(w * mm(P, vt, od) for w, P in zip(db.between, self.P))
+
+    def diag(self, i, v, vr, db, od):
+        """Diagonal block i's part of the output: [SUB, BV]."""
+        if db is None:
+            return mm(self.Pd[i], _blk(vr, i), od)
+        return jnp.sum(self.Pd[i][:, :, None] * _blk(v, i)[None] * db.pairs(i), axis=1)
+
+    def output(self, v, vr, db, od):
+        """sum_{s <= t} P[t, s] v_s (e^{b_{s+1} + .. + b_t}): [C, BV]."""
+        diag = [self.diag(i, v, vr, db, od) for i in range(NSUB)]
+        return self.off(v, vr, db, od) + jnp.concatenate(diag, axis=0) + self.Ptt * v
+
+
+def _store(ref, x):
+    ref[...] = x.astype(ref.dtype)
 
 
 def _slot():
@@ -102,10 +250,20 @@ def _slot():
     return s * pl.num_programs(0) + r, s
 
 
-def forward_kernel(first_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, a_ref, *refs, has_b, states):
-    """One chunk forward: o = (q e^A) S e^B + intra; S <- decay(S) + (k e^{At-A})^T (v e^{Bt-B}).
+def _load(q_ref, k_ref, v_ref, a_ref, b_ref, scale, scalar):
+    q, k, v = q_ref[...], k_ref[...], v_ref[...]
+    od = operand_dtype(q.dtype)
+    da = ScalarDecay(a_ref[...]) if scalar else Decay(a_ref[...])
+    db = Decay(b_ref[...]) if b_ref is not None else None
+    return q.astype(F32) * scale, k.astype(F32), v.astype(F32), v, da, db, od
+
+
+def forward_kernel(first_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, a_ref, *refs, has_b,
+                   states, scale, scalar):
+    """One chunk forward: o = (q e^A) S e^B + intra;
+    S <- e^{A_C} S e^{B_C} + (k e^{A_C-A})^T (v e^{B_C-B}).
     Outputs o [C, BV], the running final state (written every chunk of the sequence),
-    and with `states` the state entering each chunk [Kp, BV]."""
+    and with `states` the state entering each chunk [K, BV]."""
     refs = list(refs)
     b_ref = refs.pop(0) if has_b else None
     h0_ref, o_ref, fin_ref = refs[:3]
@@ -119,27 +277,30 @@ def forward_kernel(first_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, a_ref, *re
 
     S = s_scr[...]
     if states:
-        hs_ref[...] = S
-    q, k, v = q_ref[...], k_ref[...], v_ref[...]
-    c = Chunk(q, k, a_ref[...], b_ref[...] if has_b else None)
-    _, P, F = c.weights()
-    o = mm(q * c.eA, S)
-    if has_b:
-        o = o * c.eB + jnp.sum(P[:, :, None] * v[None, :, :] * F, axis=1)
-        vd = v * c.eBr
+        hs_ref[...] = S.astype(hs_ref.dtype)
+    q, k, v, vr, da, db, od = _load(q_ref, k_ref, v_ref, a_ref, b_ref, scale, scalar)
+    if scalar:  # one [C, C] weight matrix: products of the raw (exact) operands
+        qr, kr = q_ref[...], k_ref[...]
+        o = (da.start * scale) * mm(qr, S, od)
+        o = o + mm(mm_nt(qr, kr, od) * (da.W * scale), vr, od)
     else:
-        o = o + mm(P, v)
-        vd = v
-    o_ref[...] = o
-    S = c.decay_state(S) + mm_tn(k * c.eAr, vd)
+        o = mm(q * da.start, S, od)
+        if db is not None:
+            o = o * db.start
+        o = o + Intra(q, k, da, od).output(v, vr, db, od)
+    o_ref[...] = o.astype(o_ref.dtype)
+    S = S * da.total_col
+    if db is not None:
+        S = S * db.total
+    S = S + mm_tn(k * da.end, v * db.end if db is not None else vr, od)
     s_scr[...] = S
     fin_ref[...] = S
 
 
-def state_grad_kernel(first_ref, seq_ref, last_ref, q_ref, a_ref, *refs, has_b):
+def state_grad_kernel(first_ref, seq_ref, last_ref, q_ref, a_ref, *refs, has_b, scale, scalar):
     """Reverse pass over chunks (slots are visited last to first by the index maps):
-    dS_in = decay(dS_out) + (q e^A)^T (do e^B). Writes dS_out of every chunk and,
-    every chunk, the running gradient of the sequence's initial state."""
+    dS_in = e^{A_C} dS_out e^{B_C} + (q e^A)^T (do e^B). Writes dS_out of every chunk
+    and, every chunk, the running gradient of the sequence's initial state."""
     refs = list(refs)
     b_ref = refs.pop(0) if has_b else None
     do_ref, dfin_ref, dh_ref, dh0_ref, d_scr = refs
@@ -152,64 +313,131 @@ def state_grad_kernel(first_ref, seq_ref, last_ref, q_ref, a_ref, *refs, has_b):
         d_scr[...] = dfin_ref[...]
 
     dS = d_scr[...]
-    dh_ref[...] = dS
+    dh_ref[...] = dS.astype(dh_ref.dtype)
     q = q_ref[...]
-    c = Chunk(q, q, a_ref[...], b_ref[...] if has_b else None)
+    od = operand_dtype(q.dtype)
+    da = ScalarDecay(a_ref[...], False) if scalar else Decay(a_ref[...], False)
     do = do_ref[...]
-    dob = do * c.eB if has_b else do
-    dS = c.decay_state(dS) + mm_tn(q * c.eA, dob)
+    dS = dS * da.total_col
+    if has_b:
+        db = Decay(b_ref[...], False)
+        dS = dS * db.total
+        do = do.astype(F32) * db.start
+    dS = dS + mm_tn(q.astype(F32) * scale * da.start, do, od)
     d_scr[...] = dS
     dh0_ref[...] = dS
 
 
-def chunk_grad_kernel(first_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, a_ref, *refs, has_b):
-    """Gradients inside one chunk given the state entering it (S) and the gradient
-    of the state leaving it (dS). Gate gradients sum, per pair (s, u) of the
-    recurrence, its contribution over the gates s < t <= u it spans: pairs from
-    before the chunk (q.dq_inter, reverse cumsum), pairs to after it (k.dk_inter,
-    exclusive cumsum), pairs passing through (constant) and in-chunk pairs with
-    s < u only (the diagonal's O(1) q.k terms would cancel: left out exactly)."""
+def chunk_grad_kernel(first_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, a_ref, *refs, has_b,
+                      scale, scalar):
+    """Gradients inside one chunk given the state entering it (S) and the gradient of
+    the state leaving it (dS). Gate gradients from the chunk-local identity
+    dA_t = q_t dq_t - k_t dk_t (for the running key-side log decay A_t; the same
+    with o, do, v, dv on the value side), summed from t to the chunk end by one
+    matmul; the state terms enter as exclusive prefix sums plus one term through
+    the whole chunk's decay, so no large term cancels another."""
     refs = list(refs)
     b_ref = refs.pop(0) if has_b else None
     do_ref, S_ref, dS_ref = refs[:3]
-    outs = refs[3:]
-    dq_ref, dk_ref, da_ref, dv_ref = outs[:4]
-    q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-    S, dS = S_ref[...], dS_ref[...]
-    c = Chunk(q, k, a_ref[...], b_ref[...] if has_b else None)
-    C = c.C
-    E, P, F = c.weights()
-    dob = do * c.eB if has_b else do
-    vd = v * c.eBr if has_b else v
-    kd = k * c.eAr
-    dq_inter = c.eA * mm_nt(dob, S)
-    dk_inter = c.eAr * mm_nt(vd, dS)
-    dv_inter = mm(kd, dS)
-    if has_b:
-        dv_inter = dv_inter * c.eBr
-        dP = jnp.sum(do[:, None, :] * v[None, :, :] * F, axis=2)
-        dv_intra = jnp.sum(P[:, :, None] * do[:, None, :] * F, axis=0)
-    else:
-        dP = mm_nt(do, v)
-        dv_intra = mm_tn(P, do)
-    dP = dP * tri(C)
-    dq = dq_inter + jnp.sum(dP[:, :, None] * k[None, :, :] * E, axis=1)
-    dk = dk_inter + jnp.sum(dP[:, :, None] * q[:, None, :] * E, axis=0)
-    dq_ref[...] = dq
-    dk_ref[...] = dk
-    dv_ref[...] = dv_inter + dv_intra
+    dq_ref, dk_ref, da_ref, dv_ref = refs[3:7]
+    if scalar:
+        return _scalar_grads(q_ref, k_ref, v_ref, a_ref, do_ref, S_ref, dS_ref, dq_ref, dk_ref,
+                             da_ref, dv_ref, scale)
+    q, k, v, vr, da, db, od = _load(q_ref, k_ref, v_ref, a_ref, b_ref, scale, scalar)
+    dor = do_ref[...]
+    do = dor.astype(F32)
+    S, dS = S_ref[...].astype(F32), dS_ref[...].astype(F32)
+    K, BV = q.shape[1], v.shape[1]
+    intra = Intra(q, k, da, od)
 
-    U, Ls = tri(C, upper=True), tri(C, strict=True)
-    strict = tri(C, strict=True)
-    X = (dP * strict)[:, :, None] * q[:, None, :] * k[None, :, :] * E  # [u, s, Kp]
-    Sb = S * jnp.exp(c.Bt) if has_b else S
-    through = jnp.exp(c.At) * mm_nt(jnp.ones((C, S.shape[1]), F32), Sb * dS)
-    da_ref[...] = (mm(U, q * dq_inter + jnp.sum(X, 1) - jnp.sum(X, 0)) + mm(Ls, k * dk_inter)
+    # through the state entering the chunk (S) and the state leaving it (dS)
+    dob = do * db.start if db is not None else dor
+    dq = da.start * mm_nt(dob, S, od)
+    kE, vE = k * da.end, (v * db.end if db is not None else vr)
+    dk_state = da.end * mm_nt(vE, dS, od)
+    dv_state = mm(kE, dS, od)
+    if db is not None:
+        dv_state = dv_state * db.end
+
+    # off-diagonal sub-chunk pairs
+    dk = jnp.zeros((C, K), F32)
+    if db is None:
+        dP = mm_nt(dor, vr, od)
+        dvt = mm_tn(sum(intra.P), dor, od)
+        dPs = [dP] * (NSUB - 1)
+    else:
+        vt = v * db.tail
+        Dj = [do * db.head * w for w in db.between]
+        dPs = [mm_nt(d, vt, od) for d in Dj]
+        dvt = db.tail * sum(mm_tn(P, d, od) for P, d in zip(intra.P, Dj))
+    cols = lax.div(lax.broadcasted_iota(jnp.int32, (C, C), 1), jnp.int32(SUB))
+    for j in range(NSUB - 1):
+        dq = dq + da.head * da.between[j] * mm(jnp.where(cols == j, dPs[j], 0.0), intra.kt, od)
+        dk = dk + jnp.where(sub_rows(j, K), mm_tn(dPs[j], intra.qj[j], od), 0.0)
+    dk = dk * da.tail
+
+    # diagonal blocks
+    dq_d, dk_d, dv_d, o_d = [], [], [], []
+    for i in range(NSUB):
+        qi, ki, vi, doi = (_blk(x, i) for x in (q, k, v, do))
+        F, Pd = intra.F[i], intra.Pd[i]
+        if db is None:
+            dPd = mm_nt(_blk(dor, i), _blk(vr, i), od)
+            dv_d.append(mm_tn(Pd, _blk(dor, i), od))
+        else:
+            Fb = db.pairs(i)
+            dPd = jnp.sum(doi[:, None, :] * vi[None, :, :] * Fb, axis=2)
+            dv_d.append(jnp.sum(Pd[:, :, None] * doi[:, None, :] * Fb, axis=0))
+            o_d.append(jnp.sum(Pd[:, :, None] * vi[None] * Fb, axis=1))
+        dq_d.append(jnp.sum(dPd[:, :, None] * ki[None, :, :] * F, axis=1))
+        dk_d.append(jnp.sum(dPd[:, :, None] * qi[:, None, :] * F, axis=0))
+    dq = dq + jnp.concatenate(dq_d, axis=0)
+    dk = dk + jnp.concatenate(dk_d, axis=0)
+    dv_intra = dvt + jnp.concatenate(dv_d, axis=0)
+    dPtt = jnp.sum(do * v, axis=1, keepdims=True)  # the pairs s = t
+    _store(dq_ref, (dq + dPtt * k) * scale)
+    _store(dk_ref, dk + dPtt * q + dk_state)
+    _store(dv_ref, dv_state + dv_intra + intra.Ptt * do)
+
+    # gate gradients (the pairs s = t left out): reverse sums inside the chunk,
+    # exclusive prefix sums of the state-leaving terms, and the term through the
+    # whole chunk's decay
+    SdS = S * dS
+    tb = db.total if db is not None else jnp.ones((1, BV), F32)
+    through = da.total * mm_nt(jnp.broadcast_to(tb, (8, BV)), SdS)[0:1]
+    da_ref[...] = (scan(q * dq - k * dk, reverse=True) + scan(k * dk_state, exclusive=True)
                    + through)
-    if has_b:
-        db_ref = outs[4]
-        o_inter = mm(q * c.eA, S) * c.eB
-        Y = (P * strict)[:, :, None] * v[None, :, :] * do[:, None, :] * F
-        through_b = mm(jnp.ones((C, S.shape[0]), F32) * jnp.exp(c.At), S * dS) * jnp.exp(c.Bt)
-        db_ref[...] = (mm(U, do * o_inter + jnp.sum(Y, 1) - jnp.sum(Y, 0))
-                       + mm(Ls, v * dv_inter) + through_b)
+    if db is not None:
+        db_ref = refs[7]
+        o = (db.start * mm(q * da.start, S, od) + intra.off(v, vr, db, od)
+             + jnp.concatenate(o_d, axis=0))
+        through_b = db.total * mm(jnp.broadcast_to(da.total, (8, K)), SdS)[0:1]
+        db_ref[...] = (scan(do * o - v * dv_intra, reverse=True)
+                       + scan(v * dv_state, exclusive=True) + through_b)
+
+
+def _scalar_grads(q_ref, k_ref, v_ref, a_ref, do_ref, S_ref, dS_ref, dq_ref, dk_ref, da_ref,
+                  dv_ref, scale):
+    """chunk_grad_kernel for one log gate per token (no value gate). The gate gradient
+    sums the in-chunk pairs exactly: da_u += sum over t >= u > s of
+    M[t, s] = W[t, s] (q_t . k_s) (do_t . v_s), from one matmul and a masked row sum;
+    the pairs s = t never enter."""
+    qr, kr, vr, dor = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+    od = operand_dtype(qr.dtype)
+    q, k = qr.astype(F32) * scale, kr.astype(F32)
+    S, dS = S_ref[...].astype(F32), dS_ref[...].astype(F32)
+    da = ScalarDecay(a_ref[...])
+    QK = mm_nt(qr, kr, od) * scale
+    dPr = mm_nt(dor, vr, od)
+    P, dP = QK * da.W, dPr * da.W
+    dq_state = da.start * mm_nt(dor, S, od)
+    dk_state = da.end * mm_nt(vr, dS, od)
+    _store(dq_ref, (dq_state + mm(dP, kr, od)) * scale)
+    _store(dk_ref, mm_tn(dP, qr, od) * scale + dk_state)
+    _store(dv_ref, mm(kr.astype(F32) * da.end, dS, od) + mm_tn(P, dor, od))
+    r, c = _iota2(C, C)
+    pairs = jnp.sum(jnp.where(c < r, scan(P * dPr, reverse=True), 0.0), axis=1, keepdims=True)
+    x = jnp.sum(q * dq_state, axis=1, keepdims=True)
+    y = jnp.sum(k * dk_state, axis=1, keepdims=True)
+    through = da.total * jnp.sum(jnp.sum(S * dS, axis=1, keepdims=True), axis=0, keepdims=True)
+    da_ref[...] = scan(x, reverse=True) + scan(y, exclusive=True) + pairs + through

@@ -49,8 +49,13 @@ def parse(argv):
     p.add_argument("--render", metavar="JSON", help="measure nothing: rewrite the markdown and "
                                                      "plots from an earlier run's results.json")
     p.add_argument("--readiness", action="store_true",
-                   help="only refresh the GPU-readiness section (the AOT reports, no GPU "
-                        "needed) in OUT/results.json, and rewrite the markdown from it")
+                   help="only refresh the GPU- and TPU-readiness sections (the AOT and Mosaic "
+                        "reports, no GPU or TPU needed) in OUT/results.json, and rewrite the "
+                        "markdown from it")
+    p.add_argument("--compile-time", action="store_true",
+                   help="only refresh the torch.compile-time section (cold compiles of the "
+                        "torch layers, a few minutes) in OUT/results.json, and rewrite the "
+                        "markdown from it")
     a = p.parse_args(argv)
     if a.T is not None and min(a.T) <= 0:
         p.error(f"--T must be positive, got {a.T}")
@@ -93,7 +98,13 @@ def main(argv=None):
     if args.render:
         return render(args)
     if args.readiness:
-        return refresh_readiness(args)
+        from . import readiness
+
+        return refresh(args, "readiness", readiness.run)
+    if args.compile_time:
+        from . import compile_time
+
+        return refresh(args, "compile_time", compile_time.run)
     _reexec_with_malloc_env(argv)
 
     import torch
@@ -133,10 +144,13 @@ def main(argv=None):
     gpu_section = gpu.section(quick=args.quick, log=settings.log)
     from . import readiness
 
+    from . import compile_time
+
     ready = None if args.quick else readiness.run(settings.log)
+    compiled = None if args.quick else compile_time.run(settings.log)
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, "results.json")
-    report.write_json(json_path, records, machine, checks, gpu_section, ready)
+    report.write_json(json_path, records, machine, checks, gpu_section, ready, compiled)
     _write_outputs(args, records, impls, machine, checks, gpu_section, json_path, settings.log,
                    ready)
 
@@ -174,7 +188,7 @@ def _run_groups(args, impls, log):
 
 
 def _write_outputs(args, records, impls, machine, checks, gpu_section, json_path, log,
-                   readiness=None):
+                   readiness=None, compile_time=None):
     from . import anchors, report
 
     os.makedirs(args.out, exist_ok=True)
@@ -187,7 +201,7 @@ def _write_outputs(args, records, impls, machine, checks, gpu_section, json_path
     with open(md_path, "w") as f:
         f.write(report.markdown(records, impls, anchors.BASELINES, machine, checks,
                                 [os.path.relpath(p, md_dir) for p in plots], gpu_section,
-                                readiness))
+                                readiness, compile_time))
     log(f"wrote {md_path}, {json_path}" + "".join(f", {p}" for p in plots))
 
 
@@ -202,20 +216,19 @@ def render(args):
     names = {r["impl"] for r in data["records"]}
     impls = [i for i in anchors.cpu_impls() if i.name in names]
     _write_outputs(args, data["records"], impls, data["machine"], data["checks"],
-                   data.get("gpu"), args.render, print, data.get("readiness"))
+                   data.get("gpu"), args.render, print, data.get("readiness"),
+                   data.get("compile_time"))
 
 
-def refresh_readiness(args):
-    """--readiness: new AOT reports into OUT/results.json (the CPU timings kept),
-    then the markdown again from it."""
+def refresh(args, key, run):
+    """--readiness / --compile-time: `run()`'s new results under `key` in OUT/results.json
+    (the CPU timings kept), then the markdown again from it."""
     import json
-
-    from . import readiness
 
     json_path = os.path.join(args.out, "results.json")
     with open(json_path) as f:
         data = json.load(f)
-    data["readiness"] = readiness.run()
+    data[key] = run()
     with open(json_path, "w") as f:
         json.dump(data, f, indent=1)
     args.render = json_path

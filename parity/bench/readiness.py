@@ -1,8 +1,10 @@
-"""BENCHMARKS.md's "GPU readiness (compiled, not run)" section: the AOT report
-(`python -m bridge.aot --report`) of both Triton kernel families at the reference
-shape, bf16, with the lower bounds it derives, next to flash-linear-attention's
-published timings. Compiling needs no GPU, so every run of the benchmark can
-refresh it; nothing in it is a measured time."""
+"""BENCHMARKS.md's "GPU readiness" and "TPU readiness (compiled, not run)" sections:
+the AOT report (`python -m bridge.aot --report`) of both Triton kernel families at
+the reference shape, bf16, with the lower bounds it derives, next to
+flash-linear-attention's published timings; and the Mosaic report of the Pallas
+kernels (`python -m jax_side.tpu_report`) at the same shape. Compiling needs no
+GPU or TPU, so every run of the benchmark can refresh them; nothing in them is a
+measured time."""
 
 import json
 import os
@@ -18,7 +20,26 @@ FLA_GB200 = [((4, 2048, 16, 128), 0.514, 1.434), ((2, 16384, 16, 128), 1.445, 5.
              ((1, 8192, 96, 128), 1.765, 7.670), ((8, 2048, 32, 256), 2.897, 13.797)]
 
 
-def run(log=print) -> list:
+TPU_FNS = ("recurrent_gla", "lightning_attn", "recurrent")
+
+
+def run(log=print) -> dict:
+    """{"gpu": the AOT report of each (mode, gates) of RUNS, "tpu": the Mosaic report of
+    each of TPU_FNS}, from subprocesses (the Triton ones in compiled mode)."""
+    return {"gpu": gpu_run(log), "tpu": tpu_run(log)}
+
+
+def tpu_run(log=print) -> list:
+    cmd = [sys.executable, "-m", "jax_side.tpu_report", "--shape", ",".join(map(str, SHAPE)),
+           "--dtype", "bf16", "--json", "--fn", *TPU_FNS]
+    log(f"readiness: {' '.join(cmd[1:])}")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if not proc.stdout.startswith("["):
+        raise SystemExit(f"jax_side.tpu_report failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout)
+
+
+def gpu_run(log=print) -> list:
     """The report of each (mode, gates) of RUNS, from subprocesses in compiled mode."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     out = []
@@ -33,10 +54,59 @@ def run(log=print) -> list:
     return out
 
 
-def section(reports) -> str:
-    """The markdown section (a one-line note when no report was made)."""
+NOT_MADE = "not generated in this run (`python -m parity.bench --readiness` makes it)."
+
+
+def _reports(readiness, kind):
+    """The stored reports of `kind` ("gpu" or "tpu"); a plain list is an older record
+    holding the GPU reports only."""
+    if isinstance(readiness, dict):
+        return readiness.get(kind)
+    return readiness if kind == "gpu" else None
+
+
+def tpu_section(readiness) -> str:
+    """The TPU markdown section (a one-line note when no report was made)."""
+    reports = _reports(readiness, "tpu")
     if not reports:
-        return "not generated in this run (`python -m parity.bench --readiness` makes it)."
+        return NOT_MADE
+    from jax_side import tpu_report
+
+    B, T, H, K, V = SHAPE
+    lines = [f"Exported for platform \"tpu\" from this CPU host (`jax.export`, the real Mosaic "
+             f"lowering; Mosaic's final compile happens only on a TPU, and **no TPU has run "
+             f"these kernels: no TPU timing exists**); (B,T,H,K,V) = ({B},{T},{H},{K},{V}), "
+             "bf16, through the public functions with `platform=\"pallas\"`. Per launch: the "
+             "`tpu.matmul` ops of its Mosaic module (how many take bf16 operands, how many "
+             "produce >= 64 rows), the VMEM of its double-buffered blocks and scratch "
+             "(temporaries not counted), its `pl.CostEstimate`, the MXU FLOPs read from the "
+             "module times the grid, and a lower bound max(MXU time, HBM bytes / bandwidth) "
+             "with bf16 products at the chip's peak and fp32 (HIGHEST) products as six bf16 "
+             "passes: TPU v5e 197 TFLOP/s, 819 GB/s; v5p 459 TFLOP/s, 2.76 TB/s (per chip). "
+             "Exponentials (EUP) and vector work are not in the bound.", "",
+             "| function | fwd bound v5e / v5p ms | fwd+bwd bound v5e / v5p ms | Mosaic kernels "
+             "fwd / fwd+bwd | tpu.matmul fwd+bwd (bf16 / >= 64 rows) |", "|---|---|---|---|---|"]
+    for rep in reports:
+        f, fb = rep["passes"]["forward"], rep["passes"]["fwd+bwd"]
+        n = sum(r["matmuls"] for r in fb["launches"])
+        nb = sum(r["bf16_matmuls"] for r in fb["launches"])
+        nr = sum(r["rows64_matmuls"] for r in fb["launches"])
+        lines.append(f"| {rep['fn']} | {f['lower_bound_us']['v5e'] / 1e3:.3f} / "
+                     f"{f['lower_bound_us']['v5p'] / 1e3:.3f} | "
+                     f"{fb['lower_bound_us']['v5e'] / 1e3:.3f} / "
+                     f"{fb['lower_bound_us']['v5p'] / 1e3:.3f} | {f['tpu_custom_calls']} / "
+                     f"{fb['tpu_custom_calls']} | {n} ({nb} / {nr}) |")
+    lines.append("")
+    for rep in reports:
+        lines += [f"### {rep['fn']}", "", tpu_report.markdown(rep), ""]
+    return "\n".join(lines)
+
+
+def section(readiness) -> str:
+    """The GPU markdown section (a one-line note when no report was made)."""
+    reports = _reports(readiness, "gpu")
+    if not reports:
+        return NOT_MADE
     from bridge import aot
 
     B, T, H, K, V = SHAPE

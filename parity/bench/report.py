@@ -164,7 +164,7 @@ def targets(records, machine) -> list:
 
 
 def markdown(records, impls, baselines, machine, checks, plots=(), gpu=None,
-             readiness=None) -> str:
+             readiness=None, compile_time=None) -> str:
     """The whole BENCHMARKS.md."""
     m = machine
     lines = ["# Benchmarks", "",
@@ -211,19 +211,26 @@ def markdown(records, impls, baselines, machine, checks, plots=(), gpu=None,
     lines += ["## CPU results", ""] + shape_tables(records, impls, baselines, m)
     for p in plots:
         lines += [f"![{os.path.basename(p)}]({p})", ""]
-    from .readiness import section
+    from .readiness import section, tpu_section
 
     lines += ["## GPU readiness (compiled, not run)", "", section(readiness), ""]
+    lines += ["## TPU readiness (compiled, not run)", "", tpu_section(readiness), ""]
+    from .compile_time import section as compile_section
+
+    lines += ["## torch.compile time (CPU)", "",
+              compile_section(compile_time) if compile_time else
+              "not measured in this run (`python -m parity.bench --compile-time` measures it).",
+              ""]
     lines += ["## GPU", ""]
     lines += [gpu or "not measured: no GPU lent"]
     lines += [""]
     return "\n".join(lines)
 
 
-def write_json(path, records, machine, checks, gpu=None, readiness=None):
+def write_json(path, records, machine, checks, gpu=None, readiness=None, compile_time=None):
     with open(path, "w") as f:
         json.dump({"machine": machine, "checks": checks, "records": records, "gpu": gpu,
-                   "readiness": readiness}, f, indent=1)
+                   "readiness": readiness, "compile_time": compile_time}, f, indent=1)
 
 
 def plot(records, impls, out_dir) -> list:
