@@ -47,12 +47,13 @@ def _args(fn, shape, dtype):
     return a + [gates[n] for n in FNS[fn]]
 
 
-def _call(fn, *a):
-    names = FNS[fn]
-    kw = dict(zip(names, a[3:]))
+def call(fn, *a, cu_seqlens=None):
+    """Public function `fn` on platform="pallas": q, k, v, then the gates FNS[fn] names."""
     if fn == "lightning_attn":
-        return jax_side.lightning_attn(*a[:3], layer_idx=0, num_layers=2, platform="pallas")
-    return getattr(jax_side, fn)(*a[:3], **kw, platform="pallas")
+        return jax_side.lightning_attn(*a[:3], layer_idx=0, num_layers=2, cu_seqlens=cu_seqlens,
+                                       platform="pallas")
+    kw = dict(zip(FNS[fn], a[3:]))
+    return getattr(jax_side, fn)(*a[:3], **kw, cu_seqlens=cu_seqlens, platform="pallas")
 
 
 def matmuls(text):
@@ -76,10 +77,10 @@ def export(fn, shape=SHAPE, dtype=jnp.bfloat16, grad=False):
     args = _args(fn, shape, dtype)
     if grad:
         def f(*a):
-            loss = lambda *x: _call(fn, *x)[0].astype(jnp.float32).sum()
+            loss = lambda *x: call(fn, *x)[0].astype(jnp.float32).sum()
             return jax.grad(loss, tuple(range(len(a))))(*a)
     else:
-        f = lambda *a: _call(fn, *a)
+        f = lambda *a: call(fn, *a)
     buf = io.StringIO()
     with pallas.recording(debug=True) as rec, contextlib.redirect_stdout(buf):
         exp = jax.export.export(jax.jit(f), platforms=["tpu"])(*args)

@@ -21,19 +21,13 @@ REF = (1, 1024, 4, 128, 128)  # B, T, H, K, V
 KERNELS = {False: 1, True: 3}  # forward: one launch; fwd+bwd: forward with states + 2
 
 
-def _fn(name, cu):
+def _fn(name, varlen):
+    """The public function on its arrays; with `varlen` the last argument is cu_seqlens."""
     def f(*a):
-        return tpu_report._call(name, *a) if cu is None else _call_varlen(name, *a)
+        if varlen:
+            return tpu_report.call(name, *a[:-1], cu_seqlens=a[-1])
+        return tpu_report.call(name, *a)
     return f
-
-
-def _call_varlen(name, *a):
-    *x, cu = a
-    kw = dict(zip(tpu_report.FNS[name], x[3:]))
-    if name == "lightning_attn":
-        return jax_side.lightning_attn(*x[:3], layer_idx=0, num_layers=2, cu_seqlens=cu,
-                                       platform="pallas")
-    return getattr(jax_side, name)(*x[:3], **kw, cu_seqlens=cu, platform="pallas")
 
 
 def _export(f, args, platform, grad):
@@ -59,7 +53,7 @@ def test_public_functions_lower_mosaic_for_tpu(name, dtype, varlen):
     args = tpu_report._args(name, shape, dtype)
     if varlen:
         args.append(jax.ShapeDtypeStruct((4,), jnp.int32))
-    f = _fn(name, jax.ShapeDtypeStruct((4,), jnp.int32) if varlen else None)
+    f = _fn(name, varlen)
     for grad in (False, True):
         tpu = _export(f, args, "tpu", grad)
         cpu = _export(f, args, "cpu", grad)
