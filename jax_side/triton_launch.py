@@ -10,6 +10,7 @@ DLPack (`bridge.torch_runner`).
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,10 +20,20 @@ from bridge import grads
 from bridge.kernels import family
 from bridge.launch import resolve_dtype
 
+_cache_dir = os.environ.get("TRITON_CACHE_DIR")
 try:  # jax-triton imports only with a GPU jaxlib
     import jax_triton as jt
 except Exception:  # ImportError, or AttributeError from a mismatched jaxlib
     jt = None
+finally:
+    # jax-triton 0.3 sets TRITON_CACHE_DIR="" on import: every later compile through
+    # Triton's own launcher in this process (the torch ops, fla) would then fail with
+    # "Could not create or locate cache dir" (seen on an H100). Its own compiles
+    # don't use that cache.
+    if _cache_dir is None:
+        os.environ.pop("TRITON_CACHE_DIR", None)
+    else:
+        os.environ["TRITON_CACHE_DIR"] = _cache_dir
 
 ARGS = grads.INPUTS
 
@@ -79,9 +90,13 @@ def _run_cpu(launches, env, want):
 
         from bridge.torch_runner import run
 
+        from bridge import kernels
+
         tenv = {n: torch.from_dlpack(a) for n, a in zip(names, arrays)}
+        if not kernels.INTERPRETED:  # JAX CPU arrays on a GPU machine: compiled kernels need CUDA
+            tenv = {n: t.cuda() for n, t in tenv.items()}
         run(launches, tenv)
-        return tuple(_to_host(tenv[n]) for n in want)
+        return tuple(_to_host(tenv[n].cpu()) for n in want)
 
     outs = jax.pure_callback(callback, tuple(specs[n] for n in want),
                              *[env[n] for n in names], vmap_method="sequential")

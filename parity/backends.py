@@ -164,7 +164,8 @@ class JaxBackend(Backend):
 
         x = {}
         for n, a in arrays.items():
-            x[n] = jnp.from_dlpack(np.ascontiguousarray(a))
+            # from_dlpack of host memory commits to the CPU: move to the default device
+            x[n] = jax.device_put(jnp.from_dlpack(np.ascontiguousarray(a)), jax.devices()[0])
             if n in ACTIVATIONS:
                 x[n] = x[n].astype(dtype)
         kw = cases.call_kwargs(case, x)

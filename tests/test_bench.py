@@ -241,3 +241,19 @@ def test_targets_use_a_lower_bound_for_an_anchor_over_budget():
     assert "| jax-xla >= 10x faster than lax.scan | 5.00x (NOT met) |" in lines
     assert "20x (met)" in lines  # ejkernel packed 4.0 / 0.2
     assert "| jax-xla peak memory >= 4x below ejkernel XLA packed | 10x (met) |" in lines
+
+
+def test_gpu_section_kept_on_a_machine_without_one(tmp_path):
+    """A CPU run keeps the GPU section an earlier GPU run stored; `--gpu` without a
+    CUDA device stops with the reason instead of writing an empty section."""
+    from parity.bench import gpu
+    from parity.bench.__main__ import gpu_markdown, main, parse
+
+    if gpu.unavailable() is None:
+        pytest.skip("this machine has a CUDA device: the section would be measured")
+    args = parse(["--quick", "--out", str(tmp_path)])
+    assert gpu_markdown(args, print).startswith("not measured: no GPU lent")
+    (tmp_path / "results.json").write_text(json.dumps({"gpu": "Measured on an H100: 4.17 ms"}))
+    assert gpu_markdown(args, print) == "Measured on an H100: 4.17 ms"
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        main(["--gpu", "--out", str(tmp_path)])

@@ -281,3 +281,28 @@ def test_chunk_grad_under_jit_with_traced_cu_seqlens():
         for n, x in zip(names, got):
             assert rel_err(x, want[n]) < 2e-5, (n, cu, rel_err(x, want[n]))
     assert len(traces) == 1
+
+
+@pytest.mark.parametrize("preset", [None, "/tmp/gla-bridge-triton-cache"])
+def test_import_keeps_the_triton_cache_dir(preset, tmp_path):
+    """jax-triton 0.3 blanks TRITON_CACHE_DIR on import, after which every compile
+    through Triton's own launcher (the torch ops) fails on a GPU (seen on an H100):
+    importing jax_side must leave the variable as it found it. A fresh process, so
+    the import really runs, with a stand-in jax_triton doing what 0.3.1 does."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "jax_triton").mkdir()
+    (tmp_path / "jax_triton" / "__init__.py").write_text(
+        'import os\nos.environ["TRITON_CACHE_DIR"] = ""\n__version__ = "0.3.1"\n')
+    code = ("import os, jax_side.triton_launch as t; assert t.jt.__version__ == '0.3.1'; "
+            "print(repr(os.environ.get('TRITON_CACHE_DIR')))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), os.getcwd(), env.get("PYTHONPATH", "")])
+    if preset:
+        env["TRITON_CACHE_DIR"] = preset
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == repr(preset)

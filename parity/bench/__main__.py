@@ -52,6 +52,9 @@ def parse(argv):
                    help="only refresh the GPU- and TPU-readiness sections (the AOT and Mosaic "
                         "reports, no GPU or TPU needed) in OUT/results.json, and rewrite the "
                         "markdown from it")
+    p.add_argument("--gpu", action="store_true",
+                   help="only refresh the GPU section (needs a CUDA device, a few minutes) in "
+                        "OUT/results.json, and rewrite the markdown from it")
     p.add_argument("--compile-time", action="store_true",
                    help="only refresh the torch.compile-time section (cold compiles of the "
                         "torch layers, a few minutes) in OUT/results.json, and rewrite the "
@@ -105,11 +108,17 @@ def main(argv=None):
         from . import compile_time
 
         return refresh(args, "compile_time", compile_time.run)
+    if args.gpu:
+        from . import gpu
+
+        if gpu.unavailable():
+            raise SystemExit(f"--gpu: {gpu.unavailable()}")
+        return refresh(args, "gpu", gpu.section)
     _reexec_with_malloc_env(argv)
 
     import torch
 
-    from . import anchors, gpu, report, runner
+    from . import anchors, report, runner
 
     torch.set_num_threads(args.threads)
     shapes = args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
@@ -141,7 +150,7 @@ def main(argv=None):
 
     records, checks = _run_groups(args, impls, settings.log)
 
-    gpu_section = gpu.section(quick=args.quick, log=settings.log)
+    gpu_section = gpu_markdown(args, settings.log)
     from . import readiness
 
     from . import compile_time
@@ -218,6 +227,26 @@ def render(args):
     _write_outputs(args, data["records"], impls, data["machine"], data["checks"],
                    data.get("gpu"), args.render, print, data.get("readiness"),
                    data.get("compile_time"))
+
+
+def gpu_markdown(args, log):
+    """The GPU section: measured when this machine has a CUDA device; else the one an
+    earlier run measured on a GPU (OUT/results.json), else a line saying why not."""
+    from . import gpu
+
+    return (_stored(args, "gpu") if gpu.unavailable() else None) or gpu.section(
+        quick=args.quick, log=log)
+
+
+def _stored(args, key):
+    """`key` of an earlier run's OUT/results.json, or None."""
+    import json
+
+    try:
+        with open(os.path.join(args.out, "results.json")) as f:
+            return json.load(f).get(key)
+    except (OSError, ValueError):
+        return None
 
 
 def refresh(args, key, run):

@@ -4,7 +4,6 @@ from JAX against flash-linear-attention's chunk_gla / fused_recurrent_gla, bf16.
 Without a CUDA device the section says so and measures nothing. On a GPU it
 measures the device's ceilings in the same run (a big bf16 matmul, a big copy)
 and reports time, TFLOP/s (flops.flops) and GB/s against them.
-NOTE: written on a CPU-only machine; the GPU path has not been run yet.
 """
 
 import time
@@ -15,7 +14,8 @@ BIG_SHAPE = (8, 4096, 16, 128, 128)  # B, T, H, K, V
 SWEEP_T = (512, 1024, 2048, 4096, 8192)
 
 
-def _no_gpu_reason():
+def unavailable():
+    """None on a machine with a CUDA device, else why the section measures nothing."""
     try:
         import torch
     except ImportError:
@@ -46,6 +46,24 @@ def _cuda_time(fn, repeats=10):
         times.append(time.perf_counter() - t0)
     times.sort()
     return times[len(times) // 2]
+
+
+def _versions() -> str:
+    import datetime
+    import importlib.metadata
+    import platform
+
+    import torch
+
+    names = ("torch", "triton", "jax", "jaxlib", "jax-triton", "fla-core")
+    found = []
+    for n in names:
+        try:
+            found.append(f"{n} {importlib.metadata.version(n)}")
+        except importlib.metadata.PackageNotFoundError:
+            found.append(f"{n} absent")
+    return (f"{datetime.date.today().isoformat()}; Python {platform.python_version()}, "
+            f"CUDA {torch.version.cuda}; " + ", ".join(found))
 
 
 def _ceilings():
@@ -109,20 +127,23 @@ def _jax_fns(mode_name, a):
             lambda: jax.block_until_ready(df(*ins)))
 
 
-def section(quick=False, log=print) -> str:
-    """Markdown for the GPU section (a one-line reason when there is no GPU)."""
-    why = _no_gpu_reason()
+def section(quick=False, log=print, Ts=None) -> str:
+    """Markdown for the GPU section (a one-line reason when there is no GPU);
+    `Ts` replaces the sweep's sequence lengths."""
+    why = unavailable()
     if why:
         return f"not measured: no GPU lent ({why})."
     import torch
 
     tf_peak, gb_peak = _ceilings()
-    lines = [f"Device: {torch.cuda.get_device_name()}; measured ceilings: bf16 matmul "
+    lines = [f"Device: {torch.cuda.get_device_name()}; {_versions()}.", "",
+             f"Measured ceilings: bf16 matmul "
              f"{tf_peak:.0f} TFLOP/s (8192^2), copy {gb_peak:.0f} GB/s (1 GiB).", "",
              "| (B,T,H,K,V) | mode | implementation | ms | TFLOP/s (% peak) | GB/s (% copy) |",
              "|---|---|---|---|---|---|"]
     B, T0, H, K, V = BIG_SHAPE
-    sizes = [(B, T, H, K, V) for T in ((256,) if quick else sorted(set(SWEEP_T) | {T0}))]
+    Ts = Ts or ((256,) if quick else sorted(set(SWEEP_T) | {T0}))
+    sizes = [(B, T, H, K, V) for T in Ts]
     impls = _impls()
     for size in sizes:
         B, T, H, K, V = size
@@ -150,7 +171,9 @@ def section(quick=False, log=print) -> str:
                 try:
                     t = _cuda_time(fns[mi], repeats=3 if quick else 10)
                 except Exception as e:
-                    lines.append(f"| {size} | {mode} | {name} | error: {type(e).__name__} | - | - |")
+                    msg = (str(e).splitlines() or [""])[0][:160].replace("|", "/")
+                    lines.append(f"| {size} | {mode} | {name} | error: {type(e).__name__}: {msg} | - | - |")
+                    log(lines[-1])
                     continue
                 tf, gb = fl / t / 1e12, by / t / 1e9
                 lines.append(f"| {size} | {mode} | {name} | {t * 1e3:.2f} | "
