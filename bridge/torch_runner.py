@@ -52,6 +52,15 @@ def run(launches, env: dict, autotune=None, do_bench=None, wrap=False) -> dict:
     the kernel's flag for it is off). `autotune` defaults to CUDA tensors with
     GLA_BRIDGE_AUTOTUNE=1; `do_bench` replaces Triton's timer (tests)."""
     dummy = env["q"]
+    if not dummy.is_cuda:
+        from . import kernels
+
+        if not kernels.INTERPRETED:
+            raise RuntimeError(
+                "the Triton kernels on CPU tensors need Triton's interpreter, but triton was "
+                "imported before bridge.kernels without TRITON_INTERPRET=1 (its library is "
+                "then compiled-mode only): import gla-bridge first, or set TRITON_INTERPRET=1 "
+                "before anything imports triton")
     if autotune is None:
         autotune = dummy.is_cuda and autotuning()
     if wrap:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bridge import contract
+from bridge import variants
 from bridge.weights import LayerConfig, check_params, param_shapes
 from . import ops
 
@@ -95,7 +95,7 @@ def _apply(params, x, config, kind, attention_mask, cu_seqlens, state, use_cache
     elif mask is None:
         o, final_state = ops.lightning_attn(q, k, v, c.layer_idx, c.num_layers, **opts)
     else:
-        gamma = jnp.asarray(contract.lightning_g_gamma(H, c.layer_idx, c.num_layers))
+        gamma = jnp.asarray(variants.lightning_g_gamma(H, c.layer_idx, c.num_layers))
         g = jnp.where(mask[..., 0], gamma, 0.0)  # [B,T,H]
         o, final_state = ops.recurrent(q, k, v, g=g, **opts)
     o = _rms_norm(o, params["g_norm.weight"], c.norm_eps)

@@ -14,7 +14,7 @@ import jax
 import jax.interpreters.ad  # noqa: F401  (JVPTracer)
 import jax.numpy as jnp
 
-from bridge import contract, variants
+from bridge import contract, dispatch, variants
 
 PLATFORMS = ("auto", "triton", "xla", "pallas")
 
@@ -25,7 +25,7 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
     plan = contract.check(q, k, v, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse,
                           cu_seqlens)
     backend = jax.default_backend()
-    platform = contract.route(platform, mode, PLATFORMS, "xla", gpu=backend == "gpu",
+    platform = dispatch.route(platform, mode, PLATFORMS, "xla", gpu=backend == "gpu",
                               tpu=backend == "tpu")
 
     def batched(x):
@@ -51,7 +51,7 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
         else:
             from .triton_launch import triton_kernels
 
-            o, final_state = triton_kernels(plan, contract.kernel_mode(mode, plan), cu_seqlens,
+            o, final_state = triton_kernels(plan, dispatch.kernel_mode(mode, plan), cu_seqlens,
                                             q, k, v, g, gk, gv, g_gamma, initial_state)
     except TypeError as e:
         # jax.jvp / jacfwd traced through one of our custom_vjp rules: JAX's own

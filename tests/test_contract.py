@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from bridge import contract
+from bridge import contract, dispatch, variants
 
 torch = pytest.importorskip("torch")
 jnp = pytest.importorskip("jax.numpy")
@@ -188,12 +188,12 @@ def test_torch_mixes_with_nothing_else(first, other):
 ])
 def test_lightning_errors(layer_idx, num_layers, exc, name):
     with pytest.raises(exc, match=f"^{name}:"):
-        contract.check_lightning(H, layer_idx, num_layers)
+        variants.check_lightning(layer_idx, num_layers)
 
 
 def test_lightning_g_gamma_is_the_spec_formula():
     for H, layer, layers in ((8, 3, 12), (7, 5, 24), (12, 0, 1)):
-        got = contract.lightning_g_gamma(H, layer, layers)
+        got = variants.lightning_g_gamma(H, layer, layers)
         # the formula as torch reads it: a Python float times a float32 arange
         want = (-(8 / H * (1 - layer / layers)) * torch.arange(H, dtype=torch.float32)).numpy()
         assert got.dtype == np.float32 and np.array_equal(got, want)
@@ -206,14 +206,14 @@ def test_lightning_g_gamma_is_the_spec_formula():
     ("pallas", "auto", False, "pallas"),
 ])
 def test_route_resolves_auto(platform, mode, gpu, want):
-    assert contract.route(platform, mode, ("auto", "triton", "xla", "pallas"), "xla",
+    assert dispatch.route(platform, mode, ("auto", "triton", "xla", "pallas"), "xla",
                           gpu=gpu) == want
 
 
 def test_route_picks_pallas_on_tpu():
     platforms = ("auto", "triton", "xla", "pallas")
-    assert contract.route("auto", "auto", platforms, "xla", gpu=False, tpu=True) == "pallas"
-    assert contract.route("auto", "chunk", platforms, "xla", gpu=False, tpu=False) == "xla"
+    assert dispatch.route("auto", "auto", platforms, "xla", gpu=False, tpu=True) == "pallas"
+    assert dispatch.route("auto", "chunk", platforms, "xla", gpu=False, tpu=False) == "xla"
 
 
 @pytest.mark.parametrize("platform,mode,exc,start", [
@@ -223,7 +223,7 @@ def test_route_picks_pallas_on_tpu():
 ])
 def test_route_errors(platform, mode, exc, start):
     with pytest.raises(exc, match="^" + start):
-        contract.route(platform, mode, ("auto", "triton", "xla", "pallas"), "xla", gpu=False)
+        dispatch.route(platform, mode, ("auto", "triton", "xla", "pallas"), "xla", gpu=False)
 
 
 def _plan(T, seqlens=None):
@@ -238,8 +238,8 @@ def _crossover():
     """The smallest T the cost rule gives to the chunked kernels, by closed form:
     LAUNCH * 1 + T * FUSED_STEP > LAUNCH * 3 + ceil(T / 64) * CHUNK_STEP."""
     T = 1
-    while (contract.LAUNCH_US + T * contract.FUSED_STEP_US
-           <= 3 * contract.LAUNCH_US + -(-T // 64) * contract.CHUNK_STEP_US):
+    while (dispatch.LAUNCH_US + T * dispatch.FUSED_STEP_US
+           <= 3 * dispatch.LAUNCH_US + -(-T // 64) * dispatch.CHUNK_STEP_US):
         T += 1
     return T
 
@@ -249,18 +249,18 @@ def _crossover():
     ("auto", 4096, "chunk"), ("chunk", 1, "chunk"), ("fused_recurrent", 4096, "fused_recurrent"),
 ])
 def test_kernel_mode_by_cost(mode, T, want):
-    assert contract.kernel_mode(mode, _plan(T)) == want
+    assert dispatch.kernel_mode(mode, _plan(T)) == want
 
 
 def test_kernel_mode_crossover_follows_the_cost_rule():
     T = _crossover()
     assert 64 < T < 200  # decoding and short prompts stay fused
-    assert contract.kernel_mode("auto", _plan(T - 1)) == "fused_recurrent"
-    assert contract.kernel_mode("auto", _plan(T)) == "chunk"
+    assert dispatch.kernel_mode("auto", _plan(T - 1)) == "fused_recurrent"
+    assert dispatch.kernel_mode("auto", _plan(T)) == "chunk"
 
 
 def test_kernel_mode_varlen_uses_the_mean_length():
     """Many short packed sequences (decoding a batch) stay fused although the
     total is long; a few long ones go to the chunked kernels."""
-    assert contract.kernel_mode("auto", _plan(0, seqlens=[4] * 256)) == "fused_recurrent"
-    assert contract.kernel_mode("auto", _plan(0, seqlens=[1500, 2596])) == "chunk"
+    assert dispatch.kernel_mode("auto", _plan(0, seqlens=[4] * 256)) == "fused_recurrent"
+    assert dispatch.kernel_mode("auto", _plan(0, seqlens=[1500, 2596])) == "chunk"

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
 
 import bridge.kernels  # noqa: E402,F401  (decides the interpreter before triton is imported)
-from bridge import contract, grads, torch_runner  # noqa: E402
+from bridge import contract, dispatch, grads, torch_runner  # noqa: E402
 from bridge.kernels import chunk, common  # noqa: E402
 from parity import backends, cases  # noqa: E402
 from parity.compare import errors, rel_err, tolerance  # noqa: E402
@@ -301,6 +301,23 @@ def test_float64_inputs(mode):
 
 
 def test_cost_rule_uses_the_kernels_chunk_length():
-    """contract.kernel_costs counts state-pass steps in chunks of the kernels' own
+    """dispatch.kernel_costs counts state-pass steps in chunks of the kernels' own
     length (the contract cannot import the Triton kernels to read it)."""
-    assert contract.CHUNK_LEN == chunk.BT
+    assert dispatch.CHUNK_LEN == chunk.BT
+
+
+def test_unknown_family_and_compiled_cpu_launch_are_named_errors(monkeypatch):
+    """`kernels.family` accepts only a resolved family; a CPU launch while Triton
+    runs compiled (imported before bridge.kernels) says why instead of failing
+    inside Triton."""
+    from bridge import kernels
+
+    with pytest.raises(ValueError, match="^mode:"):
+        kernels.family("auto")
+    case = cases.Case("cpu-compiled", H=2, Hk=2, K=16, V=16)
+    a = cases.inputs(case)
+    plan = contract.check(a["q"], a["k"], a["v"])
+    t = {n: torch.from_numpy(a[n]) for n in ("q", "k", "v")}
+    monkeypatch.setattr(kernels, "INTERPRETED", False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        torch_runner.run(kernels.family("chunk").forward_launches(plan), t)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bridge import contract
+from bridge import variants
 from bridge.weights import LayerConfig
 from . import ops
 
@@ -146,7 +146,7 @@ class LightningAttention(_Layer):
         c = self.config
         # lightning_attn's decay, as Python floats (exact for its float32 values), so that
         # torch.compile traces a constant instead of NumPy code
-        self._gamma = contract.lightning_g_gamma(c.num_heads, c.layer_idx,
+        self._gamma = variants.lightning_g_gamma(c.num_heads, c.layer_idx,
                                                  c.num_layers).tolist()
 
     def _recurrence(self, q, k, v, gk, mask, cu_seqlens, state):

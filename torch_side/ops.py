@@ -4,7 +4,7 @@
 CPU), "torch" (the chunked algorithm in plain torch ops), or "auto" (Triton on
 CUDA tensors, torch on CPU tensors, except that mode="fused_recurrent" on CPU
 means the interpreted Triton kernel). `mode`: "fused_recurrent", "chunk" or
-"auto" (Triton kernels only: the cheaper family by `contract.kernel_costs`, fused
+"auto" (Triton kernels only: the cheaper family by `dispatch.kernel_costs`, fused
 recurrent for short sequences and decoding; the torch platform is chunked).
 
 Every call validates its arguments (`bridge.contract.check`), then runs one
@@ -14,7 +14,7 @@ tensors, autocast and vmap: torch.compile(fullgraph=True) and torch.export see o
 
 import torch
 
-from bridge import contract, variants
+from bridge import contract, dispatch, variants
 from . import custom_ops, triton_launch
 
 PLATFORMS = ("auto", "triton", "torch")
@@ -48,7 +48,7 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
               mode="auto"):
     cu = _TracedValues(cu_seqlens) if _values_traced(cu_seqlens) else cu_seqlens
     plan = contract.check(q, k, v, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu)
-    platform = contract.route(platform, mode, PLATFORMS, "torch", gpu=q.device.type == "cuda")
+    platform = dispatch.route(platform, mode, PLATFORMS, "torch", gpu=q.device.type == "cuda")
 
     def batched(x):
         if x is None:
@@ -59,7 +59,7 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
         mode = "torch"
     else:
         triton_launch.check_device(q)
-        mode = contract.kernel_mode(mode, plan)
+        mode = dispatch.kernel_mode(mode, plan)
     tokens = [batched(x) for x in (q, k, v, g, gk, gv)]
     rest = [None if x is None else x.contiguous() for x in (g_gamma, initial_state)]
     o, final_state = custom_ops.fwd(*tokens, *rest, cu_seqlens, plan.scale, plan.reverse, mode)

@@ -25,7 +25,7 @@ def _gpu_driver_active() -> bool:
 
 
 # Triton already imported without the interpreter: its library functions are
-# compiled-mode only, so CPU launches cannot work; launchers report it.
+# compiled-mode only, so CPU launches cannot work (`bridge.torch_runner.run` says so).
 TRITON_PREIMPORTED = "triton" in sys.modules and "TRITON_INTERPRET" not in os.environ
 if "TRITON_INTERPRET" not in os.environ and not TRITON_PREIMPORTED and not _gpu_driver_active():
     os.environ["TRITON_INTERPRET"] = "1"
@@ -45,6 +45,9 @@ def family(mode: str):
         from . import chunk
 
         return chunk
-    from . import fused_recurrent
+    if mode == "fused_recurrent":
+        from . import fused_recurrent
 
-    return fused_recurrent
+        return fused_recurrent
+    raise ValueError(f"mode: expected a resolved kernel family, 'chunk' or 'fused_recurrent', "
+                     f"got {mode!r}")

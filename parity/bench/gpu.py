@@ -127,6 +127,42 @@ def _jax_fns(mode_name, a):
             lambda: jax.block_until_ready(df(*ins)))
 
 
+def launch_times(mode, size, tf_peak, gb_peak, repeats=10, device="cuda"):
+    """Per launch of one Triton family at `size` (bf16, key gate g, both cotangents):
+    rows (stage, kernel, grid, ms, lower-bound ms) where the bound is
+    max(dot FLOPs / tf_peak, HBM bytes / gb_peak) from the launch's own cost model.
+    The launches run one at a time over one env, as the torch launcher runs them."""
+    import torch
+
+    from bridge import contract
+    from bridge.kernels import family
+    from bridge.torch_runner import run
+    from torch_side.triton_launch import ARGS
+
+    B, T, H, K, V = size
+    gen = torch.Generator(device=device).manual_seed(0)
+    mk = lambda *s: torch.randn(*s, device=device, generator=gen).bfloat16()  # noqa: E731
+    q, k, v = mk(B, T, H, K), mk(B, T, H, K), mk(B, T, H, V)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=device, generator=gen)
+                                       ).bfloat16()
+    plan = contract.check(q, k, v, g=g)
+    env = dict(zip(ARGS, (q, k, v, g, None, None, None, None)), cu_seqlens=None)
+    fam = family(mode)
+    rows = []
+    for stage, launches in (("fwd", fam.forward_launches(plan)),
+                            ("bwd", fam.backward_launches(plan, use_dht=True))):
+        if stage == "bwd":
+            env.update(do=mk(B, T, H, V), dfinal_state=torch.randn_like(env["final_state"]))
+        for launch in launches:
+            def once():
+                run([launch], env, autotune=False)
+            t = _cuda_time(once, repeats) if device == "cuda" else (once() or 0.0)
+            bound = max(launch.dot_flops / (tf_peak * 1e12), launch.bytes / (gb_peak * 1e9))
+            name = getattr(launch.kernel, "__name__", None) or launch.kernel.fn.__name__
+            rows.append((stage, name, launch.grid, t * 1e3, bound * 1e3))
+    return rows
+
+
 def section(quick=False, log=print, Ts=None) -> str:
     """Markdown for the GPU section (a one-line reason when there is no GPU);
     `Ts` replaces the sweep's sequence lengths."""
@@ -179,6 +215,20 @@ def section(quick=False, log=print, Ts=None) -> str:
                 lines.append(f"| {size} | {mode} | {name} | {t * 1e3:.2f} | "
                              f"{tf:.1f} ({100 * tf / tf_peak:.0f}%) | {gb:.0f} ({100 * gb / gb_peak:.0f}%) |")
                 log(lines[-1])
+    B, T, H, K, V = BIG_SHAPE
+    lines += ["", f"Per launch at {BIG_SHAPE} bf16 (`launch_times`; bound: max(dot FLOPs / "
+                  "measured matmul rate, HBM bytes / measured copy rate)):", "",
+              "| family | stage | kernel | grid | ms | bound ms |", "|---|---|---|---|---|---|"]
+    for mode in ("chunk", "fused_recurrent"):
+        try:
+            rows = launch_times(mode, (B, 256 if quick else T, H, K, V), tf_peak, gb_peak,
+                                repeats=3 if quick else 10)
+        except Exception as e:
+            lines.append(f"| {mode} | - | error: {type(e).__name__}: {str(e)[:120]} | - | - | - |")
+            continue
+        for stage, name, grid, ms, bound in rows:
+            lines.append(f"| {mode} | {stage} | {name} | {grid} | {ms:.3f} | {bound:.3f} |")
+            log(lines[-1])
     lines += ["", "Targets (GPU): triton chunk >= 1.0x fla chunk_gla on fwd+bwd; the JAX launch "
               "within 5% of the torch launch (compare the rows above)."]
     return "\n".join(lines)
