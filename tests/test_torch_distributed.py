@@ -1,0 +1,173 @@
+"""Context parallelism over torch.distributed (`context_group=`), against the
+single-process call: 2 and 4 gloo ranks on CPU, spawned by the test, every case run in
+one spawn (process start-up dominates). Each rank computes the single-process reference
+itself on the whole inputs, then its slice with the group, and compares the forward,
+the final state (the same on every rank) and every gradient: token inputs slice by slice,
+inputs every rank holds whole (initial_state, g_gamma) summed over the ranks. The final
+state's cotangent differs per rank, so the gradients through it must add up."""
+
+import os
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+import torch.multiprocessing as mp  # noqa: E402
+
+TIMEOUT_S = 240
+
+
+def launch(fn, world, tmp_path, *args):
+    """Run fn(rank, world, init_file, *args) on `world` gloo ranks; fail on any rank's
+    error or after TIMEOUT_S (the ranks are then killed, not left hanging)."""
+    init = str(tmp_path / "rendezvous")
+    ctx = mp.start_processes(fn, args=(world, init, *args), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{world} ranks did not finish in {TIMEOUT_S} s")
+
+
+def init(rank, world, init_file):
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+
+
+def _close(name, got, want, rtol=2e-4, atol=2e-5):
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def _inputs(case, T, seed):
+    """Whole inputs (every rank draws the same), float32, gates <= 0."""
+    B, H, Hk, K, V = case["shape"]
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)
+    gate = lambda *s: torch.nn.functional.logsigmoid(r(*s) + 2.0) * 0.5
+    lead = (T,) if case.get("packed") else (B, T)
+    x = dict(q=r(*lead, H, K), k=r(*lead, Hk, K), v=r(*lead, Hk, V))
+    gates = case["gates"]
+    if "g" in gates:
+        x["g"] = gate(*lead, H, K)
+    if "g_head" in gates:
+        x["g"] = gate(*lead, H)
+    if "gk" in gates:
+        x["gk"] = gate(*lead, H, K)
+    if "gv" in gates:
+        x["gv"] = gate(*lead, H, V)
+    N = B if case.get("cu") is None else len(case["cu"]) - 1
+    if "g_gamma" in gates:
+        x["g_gamma"] = -0.1 * torch.rand(H, generator=gen)
+    if "g_gamma_seq" in gates:
+        x["g_gamma"] = -0.1 * torch.rand(N, H, generator=gen)
+    if case.get("h0"):
+        x["initial_state"] = r(N, H, K, V)
+    return x, r(*lead, H, V), r(N, H, K, V)
+
+
+def _check_case(case, rank, world, group):
+    from torch_side import ops
+
+    T = case["T_local"] * world
+    x, w_o, w_f = _inputs(case, T, seed=case["seed"])
+    w_fs = [w_f * (r + 1) for r in range(world)]  # each rank's final-state cotangent
+    cu = None if case.get("cu") is None else torch.tensor(case["cu"], dtype=torch.int32)
+    kw = dict(reverse=case.get("reverse", False), cu_seqlens=cu, platform=case["platform"])
+
+    # the single-process reference on the whole inputs
+    ref = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, f = ops.recurrent(**ref, **kw)
+    ((o * w_o).sum() + sum((f * w).sum() for w in w_fs)).backward()
+
+    # this rank's slice of the time axis
+    tdim = 0 if case.get("packed") else 1
+    whole = ("g_gamma", "initial_state")
+    sl = slice(rank * case["T_local"], (rank + 1) * case["T_local"])
+    part = lambda t: t[sl] if tdim == 0 else t[:, sl]
+    mine = {n: (t if n in whole else part(t)).clone().requires_grad_() for n, t in x.items()}
+    o_cp, f_cp = ops.recurrent(**mine, **kw, context_group=group)
+    ((o_cp * part(w_o)).sum() + (f_cp * w_fs[rank]).sum()).backward()
+
+    name = case["name"]
+    _close(f"{name} o", o_cp, part(o.detach()))
+    _close(f"{name} final_state", f_cp, f.detach())
+    for n, t in mine.items():
+        grad = t.grad
+        if n in whole:  # this rank's share: the shares add up to the whole gradient
+            grad = grad.clone()
+            dist.all_reduce(grad, group=group)
+            want = ref[n].grad
+        else:
+            want = part(ref[n].grad)
+        _close(f"{name} d{n}", grad, want)
+
+
+def _cases(world):
+    """Tiny cases; the cu_seqlens ones have sequences spanning ranks, starting exactly at
+    a slice edge, and empty."""
+    base = dict(shape=(2, 2, 1, 8, 6), T_local=12, platform="torch", seed=0)
+    tl = 12
+    n = world * tl
+    if world == 2:  # one sequence across the edge; one starting at it; empty ones
+        span, edge = [0, 5, tl + 3, tl + 3, n - 1, n], [0, tl, tl, n - 2, n]
+    else:  # one sequence over three ranks (the middle one holds no boundary)
+        span, edge = [0, 5, tl + 3, tl + 3, n - 1, n], [0, 5, tl + 3, tl + 3, 2 * tl, n - 1, n]
+    cases = [
+        dict(base, name="key gate, gv, initial state", gates=("g", "gv"), h0=True),
+        dict(base, name="reverse, head gate, gk, g_gamma", gates=("g_head", "gk", "g_gamma"),
+             h0=True, reverse=True, seed=1),
+        dict(base, name="no gates", gates=(), seed=2),
+        dict(base, name="cu_seqlens spanning ranks", shape=(1, 2, 2, 8, 6),
+             gates=("g", "g_gamma_seq"), h0=True, cu=span, seed=3),
+        dict(base, name="cu_seqlens reverse, packed", shape=(1, 4, 2, 8, 6), packed=True,
+             gates=("gk", "gv"), h0=True, cu=edge, reverse=True, seed=4),
+        # the Triton kernels, interpreted: fused_recurrent for such short slices
+        dict(base, name="triton", shape=(1, 2, 1, 4, 4), T_local=4, platform="triton",
+             gates=("g", "gv"), h0=True, seed=5),
+        dict(base, name="triton cu_seqlens reverse", shape=(1, 2, 2, 4, 4), T_local=4,
+             platform="triton", gates=("g_head", "g_gamma"), h0=True, reverse=True,
+             cu=[0, 3, 4 * world - 2, 4 * world], seed=6),
+    ]
+    return cases if world == 2 else [c for c in cases if c["platform"] == "torch"]
+
+
+def _check_errors(world, group):
+    """cu_seqlens are the global offsets: ending at one slice's token count is an error,
+    raised before any collective."""
+    from torch_side import ops
+
+    q = torch.randn(1, 4, 1, 2)
+    with pytest.raises(ValueError, match=f"cu_seqlens: expected to end at the token count "
+                                         f"{4 * world}"):
+        ops.recurrent(q, q, q, cu_seqlens=torch.tensor([0, 4]), context_group=group)
+
+
+def _context_worker(rank, world, init_file):
+    init(rank, world, init_file)
+    try:
+        _check_errors(world, dist.group.WORLD)
+        for case in _cases(world):
+            _check_case(case, rank, world, dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_equals_one_process(world, tmp_path):
+    launch(_context_worker, world, tmp_path)
+
+
+def test_context_group_must_be_a_process_group():
+    from torch_side import ops
+
+    q = torch.randn(1, 4, 1, 2)
+    with pytest.raises(TypeError, match="context_group: expected a torch.distributed"):
+        ops.recurrent(q, q, q, context_group="world")
