@@ -171,3 +171,62 @@ def test_context_group_must_be_a_process_group():
     q = torch.randn(1, 4, 1, 2)
     with pytest.raises(TypeError, match="context_group: expected a torch.distributed"):
         ops.recurrent(q, q, q, context_group="world")
+
+
+def _dtensor_case(mesh, strategy, platform, seed):
+    """Batch (Shard(0)) or head (Shard(2)) sharded DTensors: the op runs on each shard with
+    no collective, outputs and gradients in the inputs' placements, equal to one process;
+    time (Shard(1)): the context-parallel path, the final state replicated."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from torch_side import ops
+
+    case = dict(shape=(2, 4, 2, 4, 4), gates=("g_head", "gv", "g_gamma_seq"), h0=True,
+                seed=seed)
+    x, w_o, w_f = _inputs(case, 8, seed)
+    ref = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, f = ops.recurrent(**ref, platform=platform)
+    grads = torch.autograd.grad((o * w_o).sum() + (f * w_f).sum(), list(ref.values()))
+    want = dict(zip(ref, grads))
+
+    tok = {"batch": Shard(0), "head": Shard(2), "time": Shard(1)}[strategy]
+    state = {"batch": Shard(0), "head": Shard(1), "time": Replicate()}[strategy]
+    gamma = {"batch": Shard(0), "head": Shard(1), "time": Replicate()}[strategy]
+    place = dict(g_gamma=gamma, initial_state=state)
+    dt = {n: distribute_tensor(t, mesh, [place.get(n, tok)], src_data_rank=None)
+          .requires_grad_() for n, t in x.items()}
+    with CommDebugMode() as comms:
+        o_dt, f_dt = ops.recurrent(**dt, platform=platform)
+    if strategy != "time":
+        assert comms.get_total_counts() == 0, comms.get_comm_counts()
+    assert o_dt.placements == (tok,) and f_dt.placements == (state,), (o_dt, f_dt)
+    do = distribute_tensor(w_o, mesh, [tok], src_data_rank=None)
+    dfin = distribute_tensor(w_f, mesh, [state], src_data_rank=None)
+    with CommDebugMode() as comms:
+        got = torch.autograd.grad([o_dt, f_dt], list(dt.values()), [do, dfin])
+    if strategy != "time":
+        assert comms.get_total_counts() == 0, comms.get_comm_counts()
+    name = f"DTensor {strategy} {platform}"
+    _close(f"{name} o", o_dt.full_tensor(), o.detach())
+    _close(f"{name} final_state", f_dt.full_tensor(), f.detach())
+    for (n, t), d in zip(dt.items(), got):
+        assert isinstance(d, DTensor) and d.placements == t.placements, (n, d)
+        _close(f"{name} d{n}", d.full_tensor(), want[n])
+
+
+def _dtensor_worker(rank, world, init_file):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    init(rank, world, init_file)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        for i, strategy in enumerate(("batch", "head", "time")):
+            _dtensor_case(mesh, strategy, "torch", seed=10 + i)
+        _dtensor_case(mesh, "head", "triton", seed=20)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dtensor_batch_head_time_equal_one_process(tmp_path):
+    launch(_dtensor_worker, 2, tmp_path)
