@@ -230,3 +230,80 @@ def _dtensor_worker(rank, world, init_file):
 
 def test_dtensor_batch_head_time_equal_one_process(tmp_path):
     launch(_dtensor_worker, 2, tmp_path)
+
+
+def _train(layer, x, y, steps, reduce_loss=None):
+    """`steps` of SGD on the mean squared error; the loss before each step (averaged over
+    the ranks by reduce_loss when given)."""
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(layer(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach() if reduce_loss is None else reduce_loss(loss.detach()))
+    return torch.stack(losses)
+
+
+def _layer_worker(rank, world, init_file):
+    """A GLA layer trained on one process, then wrapped in DDP: batch-parallel, and
+    context-parallel (each rank a time slice, context_group=WORLD); FSDP2 fully_shard
+    batch-parallel. Every run's losses (averaged over the ranks) equal the one-process
+    losses step by step, and so do the trained weights."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from torch_side import GatedLinearAttention, LightningAttention
+
+    init(rank, world, init_file)
+    try:
+        def mean_over_ranks(t):
+            t = t.clone()
+            dist.all_reduce(t)
+            return t / world
+
+        B, T, D, steps = 4, 8, 16, 3
+        gen = torch.Generator().manual_seed(7)
+        x, y = torch.randn(B, T, D, generator=gen), torch.randn(B, T, D, generator=gen)
+        kw = dict(hidden_size=D, num_heads=2, platform="torch")
+        torch.manual_seed(0)
+        one = GatedLinearAttention(**kw)
+        start = {n: p.detach().clone() for n, p in one.state_dict().items()}
+        want = _train(one, x, y, steps)
+        assert want[-1] < want[0], want  # it trains
+
+        b = slice(rank * B // world, (rank + 1) * B // world)
+        t = slice(rank * T // world, (rank + 1) * T // world)
+        def fresh(**extra):
+            layer = GatedLinearAttention(**kw, **extra)
+            layer.load_state_dict(start)
+            return layer
+
+        runs = {
+            "DDP batch": (DDP(fresh()), x[b], y[b]),
+            "DDP context": (DDP(fresh(context_group=dist.group.WORLD)), x[:, t], y[:, t]),
+            "FSDP2 batch": (fully_shard(fresh()), x[b], y[b]),
+        }
+        for name, (model, xs, ys) in runs.items():
+            got = _train(model, xs, ys, steps, mean_over_ranks)
+            _close(f"{name} losses", got, want, rtol=1e-5, atol=1e-6)
+            trained = {n.removeprefix("module."): p for n, p in model.state_dict().items()}
+            for n, p in one.state_dict().items():
+                p_got = trained[n].full_tensor() if hasattr(trained[n], "full_tensor") \
+                    else trained[n]
+                _close(f"{name} {n}", p_got, p, rtol=1e-4, atol=1e-6)
+
+        # the Lightning layer with a group: the same output as one process
+        torch.manual_seed(1)
+        light = LightningAttention(**kw, layer_idx=1, num_layers=2)
+        cp = LightningAttention(**kw, layer_idx=1, num_layers=2,
+                                context_group=dist.group.WORLD)
+        cp.load_state_dict(light.state_dict())
+        _close("Lightning context-parallel", cp(x[:, t]), light(x)[:, t].detach())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_layer_trains_under_ddp_and_fsdp2_like_one_process(tmp_path):
+    launch(_layer_worker, 2, tmp_path)
