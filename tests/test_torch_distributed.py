@@ -151,11 +151,17 @@ def _check_errors(world, group):
 
 
 def _context_worker(rank, world, init_file):
+    from torch.distributed.device_mesh import init_device_mesh
+
     init(rank, world, init_file)
     try:
         _check_errors(world, dist.group.WORLD)
         for case in _cases(world):
             _check_case(case, rank, world, dist.group.WORLD)
+        if world == 4:  # a 2 x 2 mesh: batch or heads on one dimension, time on the other
+            mesh = init_device_mesh("cpu", (2, 2))
+            _dtensor_case(mesh, ("batch", "time"), "torch", seed=30)
+            _dtensor_case(mesh, ("time", "head"), "torch", seed=31)
     finally:
         dist.destroy_process_group()
 
@@ -173,41 +179,44 @@ def test_context_group_must_be_a_process_group():
         ops.recurrent(q, q, q, context_group="world")
 
 
-def _dtensor_case(mesh, strategy, platform, seed):
-    """Batch (Shard(0)) or head (Shard(2)) sharded DTensors: the op runs on each shard with
-    no collective, outputs and gradients in the inputs' placements, equal to one process;
-    time (Shard(1)): the context-parallel path, the final state replicated."""
+def _dtensor_case(mesh, strategies, platform, seed, cu=None):
+    """DTensors sharded per mesh dimension on the batch (Shard(0)) or heads (Shard(2)):
+    the op runs on each shard with no collective, outputs and gradients in the inputs'
+    placements, equal to one process; on time (Shard(1)): the context-parallel path over
+    that mesh dimension, the final state replicated there. With `cu`: packed inputs
+    [total, H, *] (heads Shard(1), time Shard(0))."""
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
 
     from torch_side import ops
 
     case = dict(shape=(2, 4, 2, 4, 4), gates=("g_head", "gv", "g_gamma_seq"), h0=True,
-                seed=seed)
+                seed=seed, packed=cu is not None, cu=cu)
     x, w_o, w_f = _inputs(case, 8, seed)
+    cu = None if cu is None else torch.tensor(cu)
     ref = {n: t.clone().requires_grad_() for n, t in x.items()}
-    o, f = ops.recurrent(**ref, platform=platform)
+    o, f = ops.recurrent(**ref, cu_seqlens=cu, platform=platform)
     grads = torch.autograd.grad((o * w_o).sum() + (f * w_f).sum(), list(ref.values()))
     want = dict(zip(ref, grads))
 
-    tok = {"batch": Shard(0), "head": Shard(2), "time": Shard(1)}[strategy]
-    state = {"batch": Shard(0), "head": Shard(1), "time": Replicate()}[strategy]
-    gamma = {"batch": Shard(0), "head": Shard(1), "time": Replicate()}[strategy]
-    place = dict(g_gamma=gamma, initial_state=state)
-    dt = {n: distribute_tensor(t, mesh, [place.get(n, tok)], src_data_rank=None)
+    each = lambda table: [table[s] for s in strategies]
+    lead = 0 if cu is None else 1  # packed: no batch axis
+    tok = each({"batch": Shard(0), "head": Shard(2 - lead), "time": Shard(1 - lead)})
+    state = each({"batch": Shard(0), "head": Shard(1), "time": Replicate()})
+    place = dict(g_gamma=state, initial_state=state)  # g_gamma [N, H] like the state
+    dt = {n: distribute_tensor(t, mesh, place.get(n, tok), src_data_rank=None)
           .requires_grad_() for n, t in x.items()}
+    time = "time" in strategies
     with CommDebugMode() as comms:
-        o_dt, f_dt = ops.recurrent(**dt, platform=platform)
-    if strategy != "time":
-        assert comms.get_total_counts() == 0, comms.get_comm_counts()
-    assert o_dt.placements == (tok,) and f_dt.placements == (state,), (o_dt, f_dt)
-    do = distribute_tensor(w_o, mesh, [tok], src_data_rank=None)
-    dfin = distribute_tensor(w_f, mesh, [state], src_data_rank=None)
+        o_dt, f_dt = ops.recurrent(**dt, cu_seqlens=cu, platform=platform)
+    assert time or comms.get_total_counts() == 0, comms.get_comm_counts()
+    assert o_dt.placements == tuple(tok) and f_dt.placements == tuple(state), (o_dt, f_dt)
+    do = distribute_tensor(w_o, mesh, tok, src_data_rank=None)
+    dfin = distribute_tensor(w_f, mesh, state, src_data_rank=None)
     with CommDebugMode() as comms:
         got = torch.autograd.grad([o_dt, f_dt], list(dt.values()), [do, dfin])
-    if strategy != "time":
-        assert comms.get_total_counts() == 0, comms.get_comm_counts()
-    name = f"DTensor {strategy} {platform}"
+    assert time or comms.get_total_counts() == 0, comms.get_comm_counts()
+    name = f"DTensor {strategies} {platform}"
     _close(f"{name} o", o_dt.full_tensor(), o.detach())
     _close(f"{name} final_state", f_dt.full_tensor(), f.detach())
     for (n, t), d in zip(dt.items(), got):
@@ -222,8 +231,10 @@ def _dtensor_worker(rank, world, init_file):
     try:
         mesh = init_device_mesh("cpu", (world,))
         for i, strategy in enumerate(("batch", "head", "time")):
-            _dtensor_case(mesh, strategy, "torch", seed=10 + i)
-        _dtensor_case(mesh, "head", "triton", seed=20)
+            _dtensor_case(mesh, (strategy,), "torch", seed=10 + i)
+        _dtensor_case(mesh, ("head",), "triton", seed=20)
+        for i, strategy in enumerate(("head", "time")):  # packed, a sequence across ranks
+            _dtensor_case(mesh, (strategy,), "torch", seed=21 + i, cu=[0, 3, 3, 7, 8])
     finally:
         dist.destroy_process_group()
 

@@ -87,6 +87,25 @@ def local_map(fn, like, named, outputs):
             for d, (n, x) in zip(got, outputs)]
 
 
+def promote(q, named):
+    """With DTensor q: each plain tensor of `named` (a dict of the op's arguments) as the
+    DTensor of its whole value in the placements q's strategies ask for (each rank takes
+    its own shard, no communication); DTensors and None unchanged."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if not is_dtensor(q):
+        return named
+    packed, strategies = q.dim() == 3, strategies_of(q)
+
+    def up(n, x):
+        if x is None or is_dtensor(x):
+            return x
+        want = [placement(n, x.dim(), s, packed) for s in strategies]
+        return distribute_tensor(x, q.device_mesh, want, src_data_rank=None)
+
+    return {n: up(n, x) for n, x in named.items()}
+
+
 def time_sharded(q):
     """The mesh dimension over which DTensor q is sharded on time (dim 1 of [B,T,H,K],
     dim 0 of packed [total,H,K]), or None (not a DTensor, or not time-sharded)."""

@@ -72,6 +72,10 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
         every = q.new_empty(()).expand(P * plan.T, 1, 1)
         contract.check(every, every, every, cu_seqlens=cu_seqlens)
     platform = contract.route(platform, mode, PLATFORMS, "torch", gpu=q.device.type == "cuda")
+    if dtensor.is_dtensor(q):  # plain tensors beside DTensors: the whole value
+        k, v, g, g_gamma, gk, gv, initial_state, cu_seqlens = dtensor.promote(q, dict(
+            k=k, v=v, g=g, g_gamma=g_gamma, gk=gk, gv=gv, initial_state=initial_state,
+            cu_seqlens=cu_seqlens)).values()
 
     def batched(x):
         if x is None:
