@@ -21,12 +21,12 @@ import torch.multiprocessing as mp  # noqa: E402
 TIMEOUT_S = 240
 
 
-def launch(fn, world, tmp_path, *args):
-    """Run fn(rank, world, init_file, *args) on `world` gloo ranks; fail on any rank's
-    error or after TIMEOUT_S (the ranks are then killed, not left hanging)."""
-    init = str(tmp_path / "rendezvous")
-    ctx = mp.start_processes(fn, args=(world, init, *args), nprocs=world, join=False,
-                             start_method="spawn")
+def launch(body, world, tmp_path):
+    """Run body(rank, world) on `world` gloo ranks; fail on any rank's error or after
+    TIMEOUT_S (the ranks are then killed, not left hanging)."""
+    init_file = str(tmp_path / "rendezvous")
+    ctx = mp.start_processes(_rank_main, args=(world, init_file, body), nprocs=world,
+                             join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
@@ -35,11 +35,16 @@ def launch(fn, world, tmp_path, *args):
             pytest.fail(f"{world} ranks did not finish in {TIMEOUT_S} s")
 
 
-def init(rank, world, init_file):
+def _rank_main(rank, world, init_file, body):
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
+    try:
+        body(rank, world)
+        dist.barrier()  # no rank tears its connections down while another still uses them
+    finally:
+        dist.destroy_process_group()
 
 
 def _close(name, got, want, rtol=2e-4, atol=2e-5):
@@ -150,20 +155,16 @@ def _check_errors(world, group):
         ops.recurrent(q, q, q, cu_seqlens=torch.tensor([0, 4]), context_group=group)
 
 
-def _context_worker(rank, world, init_file):
+def _context_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    init(rank, world, init_file)
-    try:
-        _check_errors(world, dist.group.WORLD)
-        for case in _cases(world):
-            _check_case(case, rank, world, dist.group.WORLD)
-        if world == 4:  # a 2 x 2 mesh: batch or heads on one dimension, time on the other
-            mesh = init_device_mesh("cpu", (2, 2))
-            _dtensor_case(mesh, ("batch", "time"), "torch", seed=30)
-            _dtensor_case(mesh, ("time", "head"), "torch", seed=31)
-    finally:
-        dist.destroy_process_group()
+    _check_errors(world, dist.group.WORLD)
+    for case in _cases(world):
+        _check_case(case, rank, world, dist.group.WORLD)
+    if world == 4:  # a 2 x 2 mesh: batch or heads on one dimension, time on the other
+        mesh = init_device_mesh("cpu", (2, 2))
+        _dtensor_case(mesh, ("batch", "time"), "torch", seed=30)
+        _dtensor_case(mesh, ("time", "head"), "torch", seed=31)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -224,19 +225,15 @@ def _dtensor_case(mesh, strategies, platform, seed, cu=None):
         _close(f"{name} d{n}", d.full_tensor(), want[n])
 
 
-def _dtensor_worker(rank, world, init_file):
+def _dtensor_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    init(rank, world, init_file)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        for i, strategy in enumerate(("batch", "head", "time")):
-            _dtensor_case(mesh, (strategy,), "torch", seed=10 + i)
-        _dtensor_case(mesh, ("head",), "triton", seed=20)
-        for i, strategy in enumerate(("head", "time")):  # packed, a sequence across ranks
-            _dtensor_case(mesh, (strategy,), "torch", seed=21 + i, cu=[0, 3, 3, 7, 8])
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,))
+    for i, strategy in enumerate(("batch", "head", "time")):
+        _dtensor_case(mesh, (strategy,), "torch", seed=10 + i)
+    _dtensor_case(mesh, ("head",), "triton", seed=20)
+    for i, strategy in enumerate(("head", "time")):  # packed, a sequence across ranks
+        _dtensor_case(mesh, (strategy,), "torch", seed=21 + i, cu=[0, 3, 3, 7, 8])
 
 
 def test_dtensor_batch_head_time_equal_one_process(tmp_path):
@@ -257,7 +254,7 @@ def _train(layer, x, y, steps, reduce_loss=None):
     return torch.stack(losses)
 
 
-def _layer_worker(rank, world, init_file):
+def _layer_worker(rank, world):
     """A GLA layer trained on one process, then wrapped in DDP: batch-parallel, and
     context-parallel (each rank a time slice, context_group=WORLD); FSDP2 fully_shard
     batch-parallel. Every run's losses (averaged over the ranks) equal the one-process
@@ -267,53 +264,50 @@ def _layer_worker(rank, world, init_file):
 
     from torch_side import GatedLinearAttention, LightningAttention
 
-    init(rank, world, init_file)
-    try:
-        def mean_over_ranks(t):
-            t = t.clone()
-            dist.all_reduce(t)
-            return t / world
+    def mean_over_ranks(t):
+        t = t.clone()
+        dist.all_reduce(t)
+        return t / world
 
-        B, T, D, steps = 4, 8, 16, 3
-        gen = torch.Generator().manual_seed(7)
-        x, y = torch.randn(B, T, D, generator=gen), torch.randn(B, T, D, generator=gen)
-        kw = dict(hidden_size=D, num_heads=2, platform="torch")
-        torch.manual_seed(0)
-        one = GatedLinearAttention(**kw)
-        start = {n: p.detach().clone() for n, p in one.state_dict().items()}
-        want = _train(one, x, y, steps)
-        assert want[-1] < want[0], want  # it trains
+    B, T, D, steps = 4, 8, 16, 3
+    gen = torch.Generator().manual_seed(7)
+    x, y = torch.randn(B, T, D, generator=gen), torch.randn(B, T, D, generator=gen)
+    kw = dict(hidden_size=D, num_heads=2, platform="torch")
+    torch.manual_seed(0)
+    one = GatedLinearAttention(**kw)
+    start = {n: p.detach().clone() for n, p in one.state_dict().items()}
+    want = _train(one, x, y, steps)
+    assert want[-1] < want[0], want  # it trains
 
-        b = slice(rank * B // world, (rank + 1) * B // world)
-        t = slice(rank * T // world, (rank + 1) * T // world)
-        def fresh(**extra):
-            layer = GatedLinearAttention(**kw, **extra)
-            layer.load_state_dict(start)
-            return layer
+    b = slice(rank * B // world, (rank + 1) * B // world)
+    t = slice(rank * T // world, (rank + 1) * T // world)
 
-        runs = {
-            "DDP batch": (DDP(fresh()), x[b], y[b]),
-            "DDP context": (DDP(fresh(context_group=dist.group.WORLD)), x[:, t], y[:, t]),
-            "FSDP2 batch": (fully_shard(fresh()), x[b], y[b]),
-        }
-        for name, (model, xs, ys) in runs.items():
-            got = _train(model, xs, ys, steps, mean_over_ranks)
-            _close(f"{name} losses", got, want, rtol=1e-5, atol=1e-6)
-            trained = {n.removeprefix("module."): p for n, p in model.state_dict().items()}
-            for n, p in one.state_dict().items():
-                p_got = trained[n].full_tensor() if hasattr(trained[n], "full_tensor") \
-                    else trained[n]
-                _close(f"{name} {n}", p_got, p, rtol=1e-4, atol=1e-6)
+    def fresh(**extra):
+        layer = GatedLinearAttention(**kw, **extra)
+        layer.load_state_dict(start)
+        return layer
 
-        # the Lightning layer with a group: the same output as one process
-        torch.manual_seed(1)
-        light = LightningAttention(**kw, layer_idx=1, num_layers=2)
-        cp = LightningAttention(**kw, layer_idx=1, num_layers=2,
-                                context_group=dist.group.WORLD)
-        cp.load_state_dict(light.state_dict())
-        _close("Lightning context-parallel", cp(x[:, t]), light(x)[:, t].detach())
-    finally:
-        dist.destroy_process_group()
+    runs = {
+        "DDP batch": (DDP(fresh()), x[b], y[b]),
+        "DDP context": (DDP(fresh(context_group=dist.group.WORLD)), x[:, t], y[:, t]),
+        "FSDP2 batch": (fully_shard(fresh()), x[b], y[b]),
+    }
+    for name, (model, xs, ys) in runs.items():
+        got = _train(model, xs, ys, steps, mean_over_ranks)
+        _close(f"{name} losses", got, want, rtol=1e-5, atol=1e-6)
+        trained = {n.removeprefix("module."): p for n, p in model.state_dict().items()}
+        for n, p in one.state_dict().items():
+            p_got = trained[n].full_tensor() if hasattr(trained[n], "full_tensor") \
+                else trained[n]
+            _close(f"{name} {n}", p_got, p, rtol=1e-4, atol=1e-6)
+
+    # the Lightning layer with a group: the same output as one process
+    torch.manual_seed(1)
+    light = LightningAttention(**kw, layer_idx=1, num_layers=2)
+    cp = LightningAttention(**kw, layer_idx=1, num_layers=2,
+                            context_group=dist.group.WORLD)
+    cp.load_state_dict(light.state_dict())
+    _close("Lightning context-parallel", cp(x[:, t]), light(x)[:, t].detach())
 
 
 def test_layer_trains_under_ddp_and_fsdp2_like_one_process(tmp_path):

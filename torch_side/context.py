@@ -100,6 +100,26 @@ def _edge_sums(pc, lo, hi, reverse):
     return z.index_select(1, hi) - z.index_select(1, lo)
 
 
+def key_decay(g, gk, g_gamma, sid, lead, dtype):
+    """a_t = g_t + gk_t + g_gamma, [B,T,H,1 or K] in `dtype` (None without key gates);
+    `sid` [T]: the sequence of each token with cu_seqlens (for g_gamma [N, H])."""
+    parts = []
+    if g is not None:
+        parts.append((g.unsqueeze(-1) if g.dim() == 3 else g).to(dtype))
+    if gk is not None:
+        parts.append(gk.to(dtype))
+    if g_gamma is not None:
+        gam = g_gamma.to(dtype)
+        if gam.dim() == 1:
+            gam = gam.view(1, 1, -1, 1)
+        elif sid is None:
+            gam = gam[:, None, :, None]
+        else:
+            gam = gam.index_select(0, sid.clamp(0, gam.shape[0] - 1))[None, :, :, None]
+        parts.append(gam.expand(*lead, 1))
+    return sum(parts[1:], parts[0]) if parts else None
+
+
 def context_parallel(local, group, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens,
                      scale, reverse):
     """One call of SPEC.md's recurrence with the time axis split over `group`.
@@ -134,43 +154,31 @@ def context_parallel(local, group, q, k, v, g, gk, gv, g_gamma, initial_state, c
         cu_loc = cu_loc.to(cu_seqlens.dtype)
     h0 = None if initial_state is None else torch.where(own, initial_state, 0)
     o_loc, L = local(q, k, v, g, gk, gv, g_gamma, h0, cu_loc)
-    wd = L.dtype  # float32, or float64 on the float64 torch path
+    # the combine and the correction accumulate in wd: autocast must not downcast them
+    with torch.autocast(q.device.type, enabled=False):
+        wd = L.dtype  # float32, or float64 on the float64 torch path
 
-    parts = []  # the key-side log decay of each token, [B,T,H,1 or K]
-    if g is not None:
-        parts.append((g.unsqueeze(-1) if g.dim() == 3 else g).to(wd))
-    if gk is not None:
-        parts.append(gk.to(wd))
-    if g_gamma is not None:
-        gam = g_gamma.to(wd)
-        if gam.dim() == 1:
-            gam = gam.view(1, 1, H, 1)
-        elif sid is None:
-            gam = gam[:, None, :, None]
-        else:
-            gam = gam.index_select(0, sid.clamp(0, N - 1))[None, :, :, None]
-        parts.append(gam.expand(B, T, H, 1))
-    a = sum(parts[1:], parts[0]) if parts else None
-    b = None if gv is None else gv.to(wd)
+        a = key_decay(g, gk, g_gamma, sid, (B, T, H), wd)
+        b = None if gv is None else gv.to(wd)
 
-    pa = None if a is None else _cumsum(a, reverse)
-    pb = None if b is None else _cumsum(b, reverse)
-    A = L.new_zeros(N, H, K) if a is None else \
-        _edge_sums(pa, lo, hi, reverse).reshape(-1, H, pa.shape[-1]).expand(N, H, K)
-    Bt = L.new_zeros(N, H, V) if b is None else \
-        _edge_sums(pb, lo, hi, reverse).reshape(-1, H, V)
-    s_in, final = _Exchange.apply(L, A, Bt, group, order)
+        pa = None if a is None else _cumsum(a, reverse)
+        pb = None if b is None else _cumsum(b, reverse)
+        A = L.new_zeros(N, H, K) if a is None else \
+            _edge_sums(pa, lo, hi, reverse).reshape(-1, H, pa.shape[-1]).expand(N, H, K)
+        Bt = L.new_zeros(N, H, V) if b is None else \
+            _edge_sums(pb, lo, hi, reverse).reshape(-1, H, V)
+        s_in, final = _Exchange.apply(L, A, Bt, group, order)
 
-    qa = q.to(wd) if pa is None else q.to(wd) * pa.exp()
-    if sid is None:
-        state = s_in
-    else:  # only the sequence at the slice edge processing starts from carries a state in
-        edge = sid[-1:] if reverse else sid[:1]
-        if T == 0:
-            edge = torch.zeros(1, dtype=torch.long, device=dev)
-        state = s_in.index_select(0, edge.clamp(0, N - 1))
-        qa = torch.where((sid == edge)[None, :, None, None], qa, 0)
-    corr = torch.einsum("bthk,bhkv->bthv", qa, state) * scale
-    if pb is not None:
-        corr = corr * pb.exp()
-    return (o_loc.to(wd) + corr).to(o_loc.dtype), final
+        qa = q.to(wd) if pa is None else q.to(wd) * pa.exp()
+        if sid is None:
+            state = s_in
+        else:  # only the sequence at the slice edge processing starts from carries a state in
+            edge = sid[-1:] if reverse else sid[:1]
+            if T == 0:
+                edge = torch.zeros(1, dtype=torch.long, device=dev)
+            state = s_in.index_select(0, edge.clamp(0, N - 1))
+            qa = torch.where((sid == edge)[None, :, None, None], qa, 0)
+        corr = torch.einsum("bthk,bhkv->bthv", qa, state) * scale
+        if pb is not None:
+            corr = corr * pb.exp()
+        return (o_loc.to(wd) + corr).to(o_loc.dtype), final
