@@ -38,8 +38,8 @@ def test_torchrun_example_runs(index, tmp_path):
     nproc = int(re.search(r"--nproc-per-node (\d+)", first).group(1))
     script = tmp_path / re.search(r"(\S+\.py)$", first).group(1)
     script.write_text(TORCHRUN[index])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           f"--nproc-per-node={nproc}", str(script)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)

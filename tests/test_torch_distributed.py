@@ -211,6 +211,9 @@ def _dtensor_case(mesh, strategies, platform, seed, cu=None):
     with CommDebugMode() as comms:
         o_dt, f_dt = ops.recurrent(**dt, cu_seqlens=cu, platform=platform)
     assert time or comms.get_total_counts() == 0, comms.get_comm_counts()
+    if time:  # the mesh dimension is the group: giving another is an error
+        with pytest.raises(ValueError, match="context_group: a time-sharded DTensor"):
+            ops.recurrent(**dt, cu_seqlens=cu, context_group=dist.group.WORLD)
     assert o_dt.placements == tuple(tok) and f_dt.placements == tuple(state), (o_dt, f_dt)
     do = distribute_tensor(w_o, mesh, tok, src_data_rank=None)
     dfin = distribute_tensor(w_f, mesh, state, src_data_rank=None)

@@ -1,6 +1,6 @@
 """Context parallelism over torch.distributed: the time axis of one call split across the
-ranks of a process group (SPEC.md, "Context parallelism"). The same algorithm as
-jax_side's `context_axis`, so both frameworks compute the same thing.
+ranks of a process group (SPEC.md, "Context parallelism over torch.distributed"); the
+same algorithm as jax_side's `context_axis`, so both frameworks compute the same thing.
 
 Rank i of the group holds the i-th contiguous slice of the time axis (with `cu_seqlens`,
 the global packed offsets, every slice has the same length T). Each rank:

@@ -1,4 +1,4 @@
-"""DTensor inputs to the gla_bridge ops (SPEC.md, "Many processes").
+"""DTensor inputs to the gla_bridge ops (SPEC.md, "Context parallelism over torch.distributed").
 
 Each mesh dimension of a call runs one of three strategies, read from how q is sharded
 there: "batch" (Shard(0) of [B,T,H,*]), "head" (Shard(2)) or "replicate". Batch and head

@@ -8,10 +8,12 @@ times swish(x Wg) when use_output_gate, then o_proj.
 
 forward(x [B,T,D], attention_mask [B,T] (1 = token, 0 = padding), cu_seqlens [N+1]
 (x packed as [1,total,D]), state [N,H,K,V], use_cache) returns o [B,T,D], or
-(o, state [N,H,K,V] float32) when use_cache. With `context_group=` (a torch.distributed
-ProcessGroup, given to the constructor) x is this rank's slice of the time axis and the
-recurrence runs context-parallel over the group (cu_seqlens: the global offsets). Padded positions get zero k, v, q and a zero
+(o, state [N,H,K,V] float32) when use_cache. Padded positions get zero k, v, q and a zero
 log-gate (no decay), so the state passes them unchanged and their outputs are zero.
+
+With `context_group=` (a torch.distributed ProcessGroup, given to the constructor), x is
+this rank's slice of the time axis and the recurrence runs context-parallel over the group
+(cu_seqlens: the global offsets; the state the same on every rank).
 
 Both layers compile with torch.compile(fullgraph=True) and export with torch.export: the
 recurrence is one custom op (see torch_side/custom_ops.py for its autocast policy).
