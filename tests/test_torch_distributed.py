@@ -58,7 +58,7 @@ def _close(name, got, want, rtol=2e-4, atol=2e-5):
 
 
 def _inputs(case, T, seed):
-    """Whole inputs (every rank draws the same), float32, gates <= 0."""
+    """Whole inputs (every rank draws the same), float32 (or case["dtype"]), gates <= 0."""
     B, H, Hk, K, V = case["shape"]
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen)
@@ -81,7 +81,9 @@ def _inputs(case, T, seed):
         x["g_gamma"] = -0.1 * torch.rand(N, H, generator=gen)
     if case.get("h0"):
         x["initial_state"] = r(N, H, K, V)
-    return x, r(*lead, H, V), r(N, H, K, V)
+    dt = case.get("dtype", torch.float32)
+    return ({n: t.to(dt) for n, t in x.items()}, r(*lead, H, V).to(dt),
+            r(N, H, K, V).to(dt))
 
 
 def _check_case(case, rank, world, group):
@@ -108,8 +110,10 @@ def _check_case(case, rank, world, group):
     ((o_cp * part(w_o)).sum() + (f_cp * w_fs[rank]).sum()).backward()
 
     name = case["name"]
-    _close(f"{name} o", o_cp, part(o.detach()))
-    _close(f"{name} final_state", f_cp, f.detach())
+    # float64 (the torch path computes in float64): the algorithm itself, to 1e-10
+    tol = dict(rtol=1e-10, atol=1e-10) if case.get("dtype") == torch.float64 else {}
+    _close(f"{name} o", o_cp, part(o.detach()), **tol)
+    _close(f"{name} final_state", f_cp, f.detach(), **tol)
     for n, t in mine.items():
         grad = t.grad
         if n in whole:  # this rank's share: the shares add up to the whole gradient
@@ -118,7 +122,7 @@ def _check_case(case, rank, world, group):
             want = ref[n].grad
         else:
             want = part(ref[n].grad)
-        _close(f"{name} d{n}", grad, want)
+        _close(f"{name} d{n}", grad, want, **tol)
 
 
 def _cases(world):
@@ -140,6 +144,9 @@ def _cases(world):
              gates=("g", "g_gamma_seq"), h0=True, cu=span, seed=3),
         dict(base, name="cu_seqlens reverse, packed", shape=(1, 4, 2, 8, 6), packed=True,
              gates=("gk", "gv"), h0=True, cu=edge, reverse=True, seed=4),
+        dict(base, name="float64, every gate, cu_seqlens", shape=(1, 2, 1, 8, 6),
+             gates=("g", "gk", "gv", "g_gamma_seq"), h0=True, cu=span, seed=7,
+             dtype=torch.float64),
         # the Triton kernels, interpreted: fused_recurrent for such short slices
         dict(base, name="triton", shape=(1, 2, 1, 4, 4), T_local=4, platform="triton",
              gates=("g", "gv"), h0=True, seed=5),
