@@ -32,7 +32,7 @@ from torch import Tensor
 
 from bridge import contract
 from bridge.kernels import INTERPRETED
-from . import triton_launch
+from . import dtensor, triton_launch
 from .native import recurrent_native, recurrent_native_backward
 
 MODES = ("torch", "chunk", "fused_recurrent")
@@ -146,12 +146,21 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, dfinal_state):
     *inputs, cu, final_state = ctx.saved_tensors
-    got = iter(bwd(*inputs, cu, final_state, do, dfinal_state, ctx.scale, ctx.reverse,
-                   ctx.mode))
+    args = (*inputs, cu, final_state, do, dfinal_state)
+    if dtensor.is_dtensor(inputs[0]):  # each rank's shards, as the forward ran them
+        names = (*dtensor.ARGS, "final_state", "do", "dfinal_state")
+        present = [(n, x) for n, x in zip(dtensor.ARGS, inputs) if x is not None]
+        got = iter(dtensor.local_map(
+            lambda *a: bwd(*a, ctx.scale, ctx.reverse, ctx.mode), inputs[0],
+            list(zip(names, args)), present))
+    else:
+        got = iter(bwd(*args, ctx.scale, ctx.reverse, ctx.mode))
     return (*(None if x is None else next(got) for x in inputs), None, None, None, None)
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
+if dtensor.DTensor:
+    dtensor.register_fwd_sharding(fwd._opoverload)
 
 
 # ---------------------------------------------------------------- autocast

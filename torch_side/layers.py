@@ -11,6 +11,10 @@ forward(x [B,T,D], attention_mask [B,T] (1 = token, 0 = padding), cu_seqlens [N+
 (o, state [N,H,K,V] float32) when use_cache. Padded positions get zero k, v, q and a zero
 log-gate (no decay), so the state passes them unchanged and their outputs are zero.
 
+With `context_group=` (a torch.distributed ProcessGroup, given to the constructor), x is
+this rank's slice of the time axis and the recurrence runs context-parallel over the group
+(cu_seqlens: the global offsets; the state the same on every rank).
+
 Both layers compile with torch.compile(fullgraph=True) and export with torch.export: the
 recurrence is one custom op (see torch_side/custom_ops.py for its autocast policy).
 """
@@ -55,7 +59,7 @@ class _Layer(nn.Module):
     KIND = None
 
     def __init__(self, hidden_size=None, num_heads=4, *, config=None, mode="auto",
-                 platform="auto", **kwargs):
+                 platform="auto", context_group=None, **kwargs):
         super().__init__()
         if config is None:
             if hidden_size is None:
@@ -67,6 +71,7 @@ class _Layer(nn.Module):
         if config.kind != self.KIND:
             raise ValueError(f"config: expected kind={self.KIND!r}, got {config.kind!r}")
         self.config, self.mode, self.platform = config, mode, platform
+        self.context_group = context_group
         c, D = config, config.hidden_size
         Hk = c.kv_heads
         self.q_proj = nn.Linear(D, c.key_dim, bias=False)
@@ -126,13 +131,14 @@ class GatedLinearAttention(_Layer):
     """GLA layer (see module docstring). Keyword hyper-parameters as `LayerConfig`
     (hidden_size, num_heads, num_kv_heads, expand_k, expand_v, gate_low_rank_dim,
     gate_logit_normalizer, use_output_gate, norm_eps) or `config=LayerConfig(...)`;
-    `mode` / `platform` go to `ops.recurrent_gla`."""
+    `mode` / `platform` / `context_group` go to `ops.recurrent_gla`."""
 
     KIND = "gla"
 
     def _recurrence(self, q, k, v, gk, mask, cu_seqlens, state):
         return ops.recurrent_gla(q, k, v, g=gk, initial_state=state, cu_seqlens=cu_seqlens,
-                                 mode=self.mode, platform=self.platform)
+                                 mode=self.mode, platform=self.platform,
+                                 context_group=self.context_group)
 
 
 class LightningAttention(_Layer):
@@ -153,9 +159,10 @@ class LightningAttention(_Layer):
         gamma = torch.tensor(self._gamma, dtype=torch.float32, device=q.device)
         if mask is None:  # = ops.lightning_attn
             return ops.recurrent(q, k, v, g_gamma=gamma, initial_state=state,
-                                 cu_seqlens=cu_seqlens, mode=self.mode, platform=self.platform)
+                                 cu_seqlens=cu_seqlens, mode=self.mode, platform=self.platform,
+                                 context_group=self.context_group)
         # padding must not decay the state: the same decay as a per-head, per-step gate,
         # zeroed at padded positions
         g = torch.where(mask[..., 0], gamma, torch.zeros((), device=q.device))
         return ops.recurrent(q, k, v, g=g, initial_state=state, mode=self.mode,
-                             platform=self.platform)
+                             platform=self.platform, context_group=self.context_group)

@@ -10,12 +10,18 @@ recurrent for short sequences and decoding; the torch platform is chunked).
 Every call validates its arguments (`bridge.contract.check`), then runs one
 `gla_bridge::fwd` custom op (torch_side/custom_ops.py), which owns autograd, fake
 tensors, autocast and vmap: torch.compile(fullgraph=True) and torch.export see one node.
+
+`context_group` (a torch.distributed ProcessGroup): the inputs are this rank's slice of
+the time axis, and the call runs context-parallel over the group (torch_side/context.py;
+`cu_seqlens` are then the global packed offsets). DTensor inputs: sharded on the batch or
+heads, the op runs on each shard (torch_side/dtensor.py); sharded on time, the
+context-parallel path over that mesh dimension.
 """
 
 import torch
 
 from bridge import contract, dispatch, variants
-from . import custom_ops, triton_launch
+from . import context, custom_ops, dtensor, triton_launch
 
 PLATFORMS = ("auto", "triton", "torch")
 
@@ -45,10 +51,31 @@ def _values_traced(x) -> bool:
 
 def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
               initial_state=None, reverse=False, cu_seqlens=None, *, platform="auto",
-              mode="auto"):
-    cu = _TracedValues(cu_seqlens) if _values_traced(cu_seqlens) else cu_seqlens
+              mode="auto", context_group=None):
+    time_sharded = dtensor.time_sharded(q)
+    if time_sharded is not None:
+        if context_group is not None:
+            raise ValueError("context_group: a time-sharded DTensor q brings its own group "
+                             "(its mesh dimension); give one or the other")
+        return dtensor.context_parallel_call(
+            recurrent, time_sharded, q, k, v, g=g, g_gamma=g_gamma, gk=gk, gv=gv,
+            softmax_scale=softmax_scale, initial_state=initial_state, reverse=reverse,
+            cu_seqlens=cu_seqlens, platform=platform, mode=mode)
+    if context_group is not None:
+        P = context.group_size_rank(context_group)[0]
+    traced = _values_traced(cu_seqlens)
+    global_cu = context_group is not None and cu_seqlens is not None and not traced
+    cu = _TracedValues(cu_seqlens) if traced or global_cu else cu_seqlens
     plan = contract.check(q, k, v, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu)
+    if global_cu:
+        # the global offsets end at the token count of all P slices (each plan.T tokens)
+        every = q.new_empty(()).expand(P * plan.T, 1, 1)
+        contract.check(every, every, every, cu_seqlens=cu_seqlens)
     platform = dispatch.route(platform, mode, PLATFORMS, "torch", gpu=q.device.type == "cuda")
+    if dtensor.is_dtensor(q):  # plain tensors beside DTensors: the whole value
+        k, v, g, g_gamma, gk, gv, initial_state, cu_seqlens = dtensor.promote(q, dict(
+            k=k, v=v, g=g, g_gamma=g_gamma, gk=gk, gv=gv, initial_state=initial_state,
+            cu_seqlens=cu_seqlens)).values()
 
     def batched(x):
         if x is None:
@@ -62,7 +89,13 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
         mode = dispatch.kernel_mode(mode, plan)
     tokens = [batched(x) for x in (q, k, v, g, gk, gv)]
     rest = [None if x is None else x.contiguous() for x in (g_gamma, initial_state)]
-    o, final_state = custom_ops.fwd(*tokens, *rest, cu_seqlens, plan.scale, plan.reverse, mode)
+    if context_group is not None:
+        o, final_state = context.context_parallel(
+            lambda *a: custom_ops.fwd(*a, plan.scale, plan.reverse, mode), context_group,
+            *tokens, *rest, cu_seqlens, plan.scale, plan.reverse)
+    else:
+        o, final_state = custom_ops.fwd(*tokens, *rest, cu_seqlens, plan.scale, plan.reverse,
+                                        mode)
     return (o[0] if plan.packed else o), final_state
 
 
