@@ -113,9 +113,10 @@ def _expect_float(name, x):
         raise TypeError(f"{name}: expected a floating dtype ({', '.join(FLOAT_DTYPES)}), got {dt}")
 
 
-def check(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
+def check(q, k, v, *, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
           initial_state=None, reverse=False, cu_seqlens=None) -> Plan:
-    """Validate the arguments of `recurrent` (SPEC.md) and return their Plan."""
+    """Validate the arguments of `recurrent` (SPEC.md) and return their Plan (every
+    argument after v by name: the public order and the launchers' differ)."""
     arrays = {"q": q, "k": k, "v": v, "g": g, "g_gamma": g_gamma, "gk": gk, "gv": gv,
               "initial_state": initial_state}
     for name, x in arrays.items():

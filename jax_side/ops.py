@@ -22,8 +22,9 @@ PLATFORMS = ("auto", "triton", "xla", "pallas")
 def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
               initial_state=None, reverse=False, cu_seqlens=None, *, platform="auto",
               mode="auto"):
-    plan = contract.check(q, k, v, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse,
-                          cu_seqlens)
+    plan = contract.check(q, k, v, g=g, g_gamma=g_gamma, gk=gk, gv=gv,
+                          softmax_scale=softmax_scale, initial_state=initial_state,
+                          reverse=reverse, cu_seqlens=cu_seqlens)
     backend = jax.default_backend()
     platform = dispatch.route(platform, mode, PLATFORMS, "xla", gpu=backend == "gpu",
                               tpu=backend == "tpu")

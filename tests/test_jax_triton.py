@@ -213,8 +213,7 @@ def test_gpu_launch_speaks_both_jax_triton_apis(monkeypatch, version):
     a = cases.inputs(case)
     from bridge import contract
 
-    plan = contract.check(a["q"], a["k"], a["v"], a["g"], None, None, None, None, None,
-                          False, None)
+    plan = contract.check(a["q"], a["k"], a["v"], g=a["g"])
     env = {n: jnp.asarray(a[n]) for n in ("q", "k", "v", "g")}
     launches = fused_recurrent.forward_launches(plan)
     out = triton_launch._run_gpu(launches, env, ("o", "final_state"))

@@ -66,7 +66,9 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
     traced = _values_traced(cu_seqlens)
     global_cu = context_group is not None and cu_seqlens is not None and not traced
     cu = _TracedValues(cu_seqlens) if traced or global_cu else cu_seqlens
-    plan = contract.check(q, k, v, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, cu)
+    plan = contract.check(q, k, v, g=g, g_gamma=g_gamma, gk=gk, gv=gv,
+                          softmax_scale=softmax_scale, initial_state=initial_state,
+                          reverse=reverse, cu_seqlens=cu)
     if global_cu:
         # the global offsets end at the token count of all P slices (each plan.T tokens)
         every = q.new_empty(()).expand(P * plan.T, 1, 1)
