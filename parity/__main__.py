@@ -120,7 +120,13 @@ def main(argv=None):
     ap.add_argument("--cases", help="comma-separated case names (default: all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="PATH", help="write every number here")
+    ap.add_argument("--multi-device", type=int, metavar="P", nargs="?", const=2,
+                    help="instead: context parallelism over P (default 2) gloo ranks (torch) "
+                         "and P host devices (JAX) on the same inputs, against the oracle "
+                         "and each other")
     args = ap.parse_args(argv)
+    if args.multi_device is not None:
+        return _multi_device(ap, args)
 
     every = backends_mod.all_backends()
     known = {b.name for b in every}
@@ -156,6 +162,21 @@ def main(argv=None):
                       indent=1, default=str)
     failed = sum(not r["ok"] for r in rows)
     print(f"parity: {len(rows) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+def _multi_device(ap, args):
+    from . import multi_device
+
+    if args.multi_device < 2:
+        ap.error(f"--multi-device: expected P >= 2, got {args.multi_device}")
+    names = set(args.cases.split(",")) if args.cases else None
+    if names and not names <= {c.name for c in multi_device.CASES}:
+        ap.error(f"unknown case(s) {sorted(names - {c.name for c in multi_device.CASES})}; "
+                 f"known: {[c.name for c in multi_device.CASES]}")
+    rows = multi_device.compare(args.multi_device, args.seed, names)
+    failed = sum(not ok for *_, ok in rows)
+    print(f"parity --multi-device: {len(rows) - failed} passed, {failed} failed")
     return 1 if failed else 0
 
 
