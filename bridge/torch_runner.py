@@ -15,7 +15,9 @@ stay the plan's, since the grid depends on them. The interpreter and JAX
 so torch.compile traces each kernel call into its graph for Inductor.
 """
 
+import contextlib
 import os
+import threading
 
 import torch
 
@@ -23,6 +25,10 @@ from .launch import resolve_dtype
 
 _DTYPES = {"float32": torch.float32}
 _TUNED = {}
+# Triton's interpreter keeps per-launch state in module globals: launches from
+# several threads at once (JAX's host callbacks, one per device) corrupt each
+# other, so interpreted runs go one at a time. Compiled CUDA launches need no lock.
+INTERPRETER_LOCK = threading.RLock()
 CONFIGS = tuple((w, s) for w in (2, 4, 8) for s in (1, 2, 3))  # (num_warps, num_stages)
 
 
@@ -48,6 +54,12 @@ def run(launches, env: dict, autotune=None, do_bench=None, wrap=False) -> dict:
     Absent inputs and outputs get `env['q']` as a dummy pointer (never touched:
     the kernel's flag for it is off). `autotune` defaults to CUDA tensors with
     GLA_BRIDGE_AUTOTUNE unset or 1; `do_bench` replaces Triton's timer (tests)."""
+    dummy = env["q"]
+    with (contextlib.nullcontext() if dummy.is_cuda else INTERPRETER_LOCK):
+        return _run(launches, env, autotune, do_bench, wrap)
+
+
+def _run(launches, env, autotune, do_bench, wrap):
     dummy = env["q"]
     if autotune is None:
         autotune = dummy.is_cuda and autotuning()
