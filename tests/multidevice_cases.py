@@ -7,7 +7,8 @@ reference), "tol", ...}; the test asserts on them. Each check compares with an
 independent result: the float64 oracle (parity/oracle.py) and the same call on one
 device. GROUP: "vma" (shard_map with check_vma=True, batch/head sharding),
 "context" (context parallelism), "jit" (sharded inputs under plain jax.jit),
-"hlo" (collectives of the compiled programs); all four by default.
+"hlo" (collectives of the compiled programs), "readme" (README's "Many devices"
+example); all of them by default.
 GLA_MULTIDEVICE=full runs the whole matrix (`plan`).
 """
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
 
@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_side  # noqa: E402
 from parity import oracle  # noqa: E402
+from parity.bench.multidevice import collective_bytes  # noqa: E402
 
 NAMES = ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state")
 TOKENS = ("q", "k", "v", "g", "gk", "gv")
@@ -150,25 +151,6 @@ def context_check(platform, devices, case):
     report(f"{tag} final_state vs 1 device", rel(fin, fin1), 2e-5)
 
 
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute",
-               "all-to-all")
-BYTES = {"f32": 4, "f64": 8, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1}
-
-
-def collective_bytes(hlo_text):
-    """[(op, result bytes)] of every collective in a compiled HLO module's text."""
-    out = []
-    for line in hlo_text.splitlines():
-        for op in COLLECTIVES:
-            m = re.search(rf"= (.*?) {op}(-start)?\(", line)
-            if m:
-                shapes = re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
-                n = sum(BYTES.get(d, 4) * int(np.prod([int(s) for s in dims.split(",") if s]))
-                        for d, dims in shapes)
-                out.append((op, n))
-    return out
-
-
 def sharded_problem(mesh, x, specs):
     return [jax.device_put(jnp.asarray(x[n]), NamedSharding(mesh, specs[n])) for n in x]
 
@@ -274,6 +256,19 @@ def layer_check(devices):
            max(rel(g2[n], g1[n]) for n in g1), 2e-5)
 
 
+def readme_check():
+    """README's "Many devices" example (it asserts its gradient against one device)."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)
+              if b.startswith("# many devices")]
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"README.md many-devices block {i}", "exec"), {})
+    report("readme many devices blocks ran", 0.0 if blocks else 1.0, 0.5, blocks=len(blocks))
+
+
 def plan(full):
     """{group: [(check, args)]}: a small set by default (each platform, 2, 4 and 8
     devices, every gate kind at least once); `full` (GLA_MULTIDEVICE=full) runs every
@@ -291,14 +286,17 @@ def plan(full):
     else:
         context = [(context_check, ("xla", 4, "head_gamma_rev")),
                    (context_check, ("xla", 8, "varlen")),
-                   (context_check, ("pallas", 8, "gla_gv_h0")),
+                   (context_check, ("pallas", 8, "lightning")),
                    (context_check, ("triton", 2, "gla_gv_h0"))]
         hlo = [(context_hlo_check, ("xla", 8, 256))]
         vma = [(vma_and_jit_check, (p, "shard_map", "batched")) for p in platforms]
         # not triton under jit: on CPU its interpreter callback is not partitioned
         jit = [(vma_and_jit_check, ("xla", "jit", "batched")),
                (vma_and_jit_check, ("pallas", "jit", "batched"))]
-    return {"vma": vma, "jit": jit, "context": context + [(layer_check, (4,))], "hlo": hlo}
+    # the layers' context_axis: layer_check, and the README example (every run)
+    layer = [(layer_check, (4,))] if full else []
+    return {"vma": vma, "jit": jit, "context": context + layer, "hlo": hlo,
+            "readme": [(readme_check, ())]}
 
 
 def main(groups, full):
@@ -316,5 +314,5 @@ def main(groups, full):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["vma", "jit", "context", "hlo"],
+    main(sys.argv[1:] or ["vma", "jit", "context", "hlo", "readme"],
          os.environ.get("GLA_MULTIDEVICE") == "full")

@@ -62,10 +62,35 @@ def test_context_parallel(results):
         assert needle in names, needle
 
 
-def test_context_parallel_layer(results):
-    _check(results, "layer gla_apply")
-
-
 def test_context_parallel_collectives_are_state_sized(results):
     rows = _check(results, "context hlo ")
     assert any("T/P=256" in r["name"] for r in rows)
+
+
+def test_readme_many_devices_example(results):
+    _check(results, "readme many devices")
+
+
+def test_context_axis_errors_name_the_argument():
+    import jax.numpy as jnp
+
+    import jax_side
+
+    x = jnp.ones((1, 8, 1, 4))
+    with pytest.raises(ValueError, match="^context_axis: 'cp' is not an axis"):
+        jax_side.recurrent(x, x, x, context_axis="cp")  # outside shard_map
+    with pytest.raises(TypeError, match="^context_axis: expected a mesh axis name"):
+        jax_side.recurrent(x, x, x, context_axis=3)
+
+
+def test_collective_bytes_reads_hlo_results():
+    from parity.bench.multidevice import collective_bytes
+
+    hlo = """
+  %ag = f32[4,2,80]{2,1,0} all-gather(f32[1,2,80]{2,1,0} %p), channel_id=1, dimensions={0}
+  %ar = (f32[16]{0}, bf16[2,3]{1,0}) all-reduce(%a, %b), channel_id=2, to_apply=%add
+  %ars = f32[8]{0} all-reduce-start(f32[8]{0} %c), channel_id=3, to_apply=%add
+  %add = f32[4,2,80]{2,1,0} add(%ag, %ag)
+"""
+    assert collective_bytes(hlo) == [("all-gather", 4 * 2 * 80 * 4),
+                                     ("all-reduce", 16 * 4 + 6 * 2), ("all-reduce", 32)]
