@@ -54,8 +54,9 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
     local = functools.partial(_local_pass, platform=platform, mode=mode)
     arrays = (q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens)
     if context_axis is None and sharding.partitions(platform, backend) and \
-            not sharding.varying(*arrays):
-        # many devices, outside shard_map: batch/head-sharded inputs stay local
+            not sharding.varying(*arrays) and not _in_forward_mode(*arrays):
+        # many devices, outside shard_map: batch/head-sharded inputs stay local (its
+        # custom_vjp has no forward mode: jax.jvp takes the plain call)
         o, final_state = sharding.batch_head_sharded(local, plan, arrays)
     elif context_axis is None:
         o, final_state = local(plan, *arrays)

@@ -256,6 +256,26 @@ def layer_check(devices):
            max(rel(g2[n], g1[n]) for n in g1), 2e-5)
 
 
+def transforms_check():
+    """With 8 devices, outside shard_map: jax.vmap of jax.grad (the partitioning rule's
+    vmap fallback) equals a loop, and jax.jvp (the plain call) equals finite
+    differences, on platform xla."""
+    r = np.random.default_rng(8)
+    q = jnp.asarray(r.standard_normal((3, 2, 16, 2, 8)), jnp.float32)
+    g = jnp.asarray(-r.uniform(0.01, 0.5, (3, 2, 16, 2)), jnp.float32)
+    f = lambda q, g: jnp.sum(jax_side.recurrent(q, q, q, g=g, platform="xla")[0] ** 2)  # noqa
+    grad = jax.grad(f, argnums=(0, 1))
+    batched = jax.jit(jax.vmap(grad))(q, g)
+    loop = [jax.jit(grad)(q[i], g[i]) for i in range(3)]  # one compile
+    report("jit transforms vmap(grad) vs loop",
+           max(rel(batched[j][i], loop[i][j]) for i in range(3) for j in range(2)), 1e-5)
+    dq = jnp.asarray(r.standard_normal(q[0].shape), jnp.float32)
+    _, tangent = jax.jit(lambda x, t: jax.jvp(lambda y: f(y, g[0]), (x,), (t,)))(q[0], dq)
+    eps, fj = 1e-3, jax.jit(f)
+    fd = (fj(q[0] + eps * dq, g[0]) - fj(q[0] - eps * dq, g[0])) / (2 * eps)
+    report("jit transforms jvp vs finite differences", rel(tangent, fd), 1e-2)
+
+
 def readme_check():
     """README's "Many devices" example (it asserts its gradient against one device)."""
     import pathlib
@@ -282,7 +302,7 @@ def plan(full):
         vma = [(vma_and_jit_check, (p, "shard_map", c)) for p in platforms
                for c in ("batched", "varlen")]
         jit = [(vma_and_jit_check, (p, "jit", c)) for p in ("xla", "pallas")
-               for c in ("batched", "varlen")]
+               for c in ("batched", "varlen")] + [(transforms_check, ())]
     else:
         context = [(context_check, ("xla", 4, "head_gamma_rev")),
                    (context_check, ("xla", 8, "varlen")),
@@ -292,7 +312,7 @@ def plan(full):
         vma = [(vma_and_jit_check, (p, "shard_map", "batched")) for p in platforms]
         # not triton under jit: on CPU its interpreter callback is not partitioned
         jit = [(vma_and_jit_check, ("xla", "jit", "batched")),
-               (vma_and_jit_check, ("pallas", "jit", "batched"))]
+               (vma_and_jit_check, ("pallas", "jit", "batched")), (transforms_check, ())]
     # the layers' context_axis: layer_check, and the README example (every run)
     layer = [(layer_check, (4,))] if full else []
     return {"vma": vma, "jit": jit, "context": context + layer, "hlo": hlo,
