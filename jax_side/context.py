@@ -96,8 +96,8 @@ def context_parallel(plan, local, axis, q, k, v, g, gk, gv, g_gamma, initial_sta
     local offsets from `local_offsets`). local(plan, q, k, v, g, gk, gv, g_gamma,
     initial_state, cu_seqlens) -> (o, final_state): one platform's call. Arrays in
     the batched layout; cu_seqlens are the local offsets (`local_offsets`) of the
-    global ones, cu_global. Returns o [B,T,H,V]
-    (this slice) and final_state [N,H,K,V], the same on every device of `axis`.
+    global ones, cu_global. Returns o [B,T,H,V] (this slice) and final_state
+    [N,H,K,V], the same on every device of `axis`.
     """
     P, p = axis_position(axis)
     N, H, K, V, T = plan.N, plan.H, plan.K, plan.V, plan.T
@@ -149,6 +149,8 @@ def context_parallel(plan, local, axis, q, k, v, g, gk, gv, g_gamma, initial_sta
     S_in = jnp.stack(entering)[p]  # [N,H,K,V], varying over the axis
 
     # 5. the correction of the sequence in progress at the entry edge
+    if T == 0:
+        return o, final
     if plan.varlen:
         n0 = seq[T - 1] if rev else seq[0]
         S0 = S_in[n0][None]  # [1,H,K,V]

@@ -4,8 +4,12 @@
 interpreter through a host callback on CPU), "xla" (the chunked algorithm in
 jax.numpy / lax), "pallas" (chunked Pallas kernels for TPU; interpret mode on any
 other machine) or "auto" (Triton on GPU, Pallas on TPU, XLA elsewhere). `mode` picks the Triton kernel family, as on the PyTorch side.
-Only Python values (scale, reverse, platform, mode) are static: `cu_seqlens`
-and `g_gamma` may be traced. Reverse mode everywhere; forward mode (jax.jvp) only
+`context_axis`: a mesh axis name; inside jax.shard_map with the time axis split
+over it, the call runs context-parallel (jax_side.context). With more than one
+device, a call outside shard_map goes through jax_side.sharding's batch/head
+partitioning rule. Only Python values (scale, reverse, platform, mode, context_axis)
+are static: `cu_seqlens` and `g_gamma` may be traced. Reverse mode everywhere;
+forward mode (jax.jvp) only
 where the derivative is JAX autodiff (`forward_mode_ok`), elsewhere a TypeError
 that says why (SPEC.md, "Gradients").
 """

@@ -276,6 +276,19 @@ def transforms_check():
     report("jit transforms jvp vs finite differences", rel(tangent, fd), 1e-2)
 
 
+def empty_check():
+    """Context parallelism with no tokens: o is empty, the final state is the initial one."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("cp",))
+    q = jnp.zeros((0, 2, 4))
+    h0 = jnp.asarray(np.random.default_rng(9).standard_normal((2, 2, 4, 4)), jnp.float32)
+    cu = jnp.array([0, 0, 0], jnp.int32)
+    f = jax.shard_map(lambda q, h0: jax_side.recurrent(q, q, q, initial_state=h0, cu_seqlens=cu,
+                                                       platform="xla", context_axis="cp"),
+                      mesh=mesh, in_specs=(P("cp"), P()), out_specs=(P("cp"), P()))
+    o, fin = f(q, h0)
+    report("context empty: final state == initial state", rel(fin, h0) + o.size, 0.0)
+
+
 def readme_check():
     """README's "Many devices" example (it asserts its gradient against one device)."""
     import pathlib
@@ -315,7 +328,7 @@ def plan(full):
                (vma_and_jit_check, ("pallas", "jit", "batched")), (transforms_check, ())]
     # the layers' context_axis: layer_check, and the README example (every run)
     layer = [(layer_check, (4,))] if full else []
-    return {"vma": vma, "jit": jit, "context": context + layer, "hlo": hlo,
+    return {"vma": vma, "jit": jit, "context": context + layer + [(empty_check, ())], "hlo": hlo,
             "readme": [(readme_check, ())]}
 
 
