@@ -256,6 +256,23 @@ def layer_check(devices):
            max(rel(g2[n], g1[n]) for n in g1), 2e-5)
 
 
+def tpu_export_check():
+    """platform="pallas" under shard_map (check_vma=True), forward and gradient, exported
+    for TPU on this host: the Mosaic kernels lower (tpu_custom_call in the module)."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    mesh = AbstractMesh((2,), ("b",), axis_types=(AxisType.Explicit,))
+    x = jax.ShapeDtypeStruct((2, 64, 2, 32), jnp.float32, sharding=NamedSharding(mesh, P("b")))
+    f = jax.shard_map(lambda q, g: jax_side.recurrent(q, q, q, g=g, platform="pallas"),
+                      mesh=mesh, in_specs=(P("b"), P("b")), out_specs=(P("b"), P("b")))
+    loss = lambda q, g: jnp.sum(f(q, g)[0]) + jnp.sum(f(q, g)[1])  # noqa: E731
+    module = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1))),
+                               platforms=["tpu"])(x, x).mlir_module()
+    calls = module.count("tpu_custom_call")
+    report("shard_map pallas TPU export (Mosaic kernels) under check_vma", 0.0 if calls else 1.0,
+           0.5, tpu_custom_calls=calls)
+
+
 def transforms_check():
     """With 8 devices, outside shard_map: jax.vmap of jax.grad (the partitioning rule's
     vmap fallback) equals a loop, and jax.jvp (the plain call) equals finite
@@ -313,7 +330,7 @@ def plan(full):
         hlo = [(context_hlo_check, (p, d, t)) for p in ("xla", "pallas") for d in (2, 4, 8)
                for t in (16, 256)]
         vma = [(vma_and_jit_check, (p, "shard_map", c)) for p in platforms
-               for c in ("batched", "varlen")]
+               for c in ("batched", "varlen")] + [(tpu_export_check, ())]
         jit = [(vma_and_jit_check, (p, "jit", c)) for p in ("xla", "pallas")
                for c in ("batched", "varlen")] + [(transforms_check, ())]
     else:
@@ -323,6 +340,7 @@ def plan(full):
                    (context_check, ("triton", 2, "gla_gv_h0"))]
         hlo = [(context_hlo_check, ("xla", 8, 256))]
         vma = [(vma_and_jit_check, (p, "shard_map", "batched")) for p in platforms]
+        vma.append((tpu_export_check, ()))
         # not triton under jit: on CPU its interpreter callback is not partitioned
         jit = [(vma_and_jit_check, ("xla", "jit", "batched")),
                (vma_and_jit_check, ("pallas", "jit", "batched")), (transforms_check, ())]
