@@ -18,7 +18,9 @@ trace time) always run the plan's config.
 so torch.compile traces each kernel call into its graph for Inductor.
 """
 
+import contextlib
 import os
+import threading
 
 import torch
 
@@ -26,6 +28,10 @@ from .launch import resolve_dtype
 
 _DTYPES = {"float32": torch.float32}
 _TUNED = {}
+# Triton's interpreter keeps per-launch state in module globals: launches from
+# several threads at once (JAX's host callbacks, one per device) corrupt each
+# other, so interpreted runs go one at a time. Compiled CUDA launches need no lock.
+INTERPRETER_LOCK = threading.RLock()
 CONFIGS = tuple((w, s) for w in (2, 4, 8) for s in (1, 2, 3))  # (num_warps, num_stages)
 
 
@@ -61,6 +67,12 @@ def run(launches, env: dict, autotune=None, do_bench=None, wrap=False) -> dict:
                 "imported before bridge.kernels without TRITON_INTERPRET=1 (its library is "
                 "then compiled-mode only): import gla-bridge first, or set TRITON_INTERPRET=1 "
                 "before anything imports triton")
+    with (contextlib.nullcontext() if dummy.is_cuda else INTERPRETER_LOCK):
+        return _run(launches, env, autotune, do_bench, wrap)
+
+
+def _run(launches, env, autotune, do_bench, wrap):
+    dummy = env["q"]
     if autotune is None:
         autotune = dummy.is_cuda and autotuning()
     if wrap:

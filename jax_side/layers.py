@@ -4,9 +4,13 @@ Same math, parameter names and layouts as torch_side.layers (see bridge.weights:
 Linear weight is [out, in] and is applied as x @ W.T), same state semantics:
 
     apply(params, x [B,T,D], config, *, attention_mask [B,T], cu_seqlens [N+1],
-          state [N,H,K,V], use_cache, mode, platform) -> o [B,T,D] | (o, state float32)
+          state [N,H,K,V], use_cache, mode, platform, context_axis)
+        -> o [B,T,D] | (o, state float32)
 
-`config` (a frozen bridge.weights.LayerConfig) and mode/platform/use_cache are static;
+`context_axis` (a mesh axis name, inside jax.shard_map with x's time axis sharded
+over it) runs the attention context-parallel (jax_side.context); everything else in
+the layer is per token. `config` (a frozen bridge.weights.LayerConfig) and
+mode/platform/use_cache/context_axis are static;
 everything else may be traced, so jax.jit(partial(gla_apply, config=cfg)) and jax.grad work.
 """
 
@@ -58,7 +62,7 @@ def _rms_norm(x, w, eps):
 
 
 def _apply(params, x, config, kind, attention_mask, cu_seqlens, state, use_cache, mode,
-           platform):
+           platform, context_axis):
     if not isinstance(config, LayerConfig) or config.kind != kind:
         raise ValueError(f"config: expected a LayerConfig with kind={kind!r}, got {config!r}")
     check_params(params, config)
@@ -83,7 +87,8 @@ def _apply(params, x, config, kind, attention_mask, cu_seqlens, state, use_cache
     mask = None if attention_mask is None else attention_mask.astype(bool)[..., None, None]
     if mask is not None:  # padding: zero q/k/v and no decay, so the state passes unchanged
         q, k, v = (jnp.where(mask, t, jnp.zeros((), t.dtype)) for t in (q, k, v))
-    opts = dict(initial_state=state, cu_seqlens=cu_seqlens, mode=mode, platform=platform)
+    opts = dict(initial_state=state, cu_seqlens=cu_seqlens, mode=mode, platform=platform,
+                context_axis=context_axis)
     if kind == "gla":
         low = _linear(x, params["gk_proj.0.weight"])
         gk = _linear(low, params["gk_proj.1.weight"], params["gk_proj.1.bias"])
@@ -107,14 +112,16 @@ def _apply(params, x, config, kind, attention_mask, cu_seqlens, state, use_cache
 
 
 def gla_apply(params, x, config: LayerConfig, *, attention_mask=None, cu_seqlens=None,
-              state=None, use_cache=False, mode="auto", platform="auto"):
+              state=None, use_cache=False, mode="auto", platform="auto",
+              context_axis=None):
     """The GLA layer (module docstring)."""
     return _apply(params, x, config, "gla", attention_mask, cu_seqlens, state, use_cache,
-                  mode, platform)
+                  mode, platform, context_axis)
 
 
 def lightning_apply(params, x, config: LayerConfig, *, attention_mask=None, cu_seqlens=None,
-                    state=None, use_cache=False, mode="auto", platform="auto"):
+                    state=None, use_cache=False, mode="auto", platform="auto",
+                    context_axis=None):
     """The Lightning attention layer (module docstring)."""
     return _apply(params, x, config, "lightning", attention_mask, cu_seqlens, state,
-                  use_cache, mode, platform)
+                  use_cache, mode, platform, context_axis)

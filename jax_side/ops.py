@@ -4,24 +4,39 @@
 interpreter through a host callback on CPU), "xla" (the chunked algorithm in
 jax.numpy / lax), "pallas" (chunked Pallas kernels for TPU; interpret mode on any
 other machine) or "auto" (Triton on GPU, Pallas on TPU, XLA elsewhere). `mode` picks the Triton kernel family, as on the PyTorch side.
-Only Python values (scale, reverse, platform, mode) are static: `cu_seqlens`
-and `g_gamma` may be traced. Reverse mode everywhere; forward mode (jax.jvp) only
+`context_axis`: a mesh axis name; inside jax.shard_map with the time axis split
+over it, the call runs context-parallel (jax_side.context). With more than one
+device, a call outside shard_map goes through jax_side.sharding's batch/head
+partitioning rule. Only Python values (scale, reverse, platform, mode, context_axis)
+are static: `cu_seqlens` and `g_gamma` may be traced. Reverse mode everywhere;
+forward mode (jax.jvp) only
 where the derivative is JAX autodiff (`forward_mode_ok`), elsewhere a TypeError
 that says why (SPEC.md, "Gradients").
 """
+
+import dataclasses
+import functools
 
 import jax
 import jax.interpreters.ad  # noqa: F401  (JVPTracer)
 import jax.numpy as jnp
 
 from bridge import contract, dispatch, variants
+from . import sharding
 
 PLATFORMS = ("auto", "triton", "xla", "pallas")
 
 
 def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
               initial_state=None, reverse=False, cu_seqlens=None, *, platform="auto",
-              mode="auto"):
+              mode="auto", context_axis=None):
+    cu_global = cu_seqlens
+    if context_axis is not None:  # the time axis is split over a mesh axis
+        from . import context
+
+        context.axis_position(context_axis)  # a clear error first, outside shard_map
+        if cu_seqlens is not None and hasattr(q, "shape") and len(q.shape) in (3, 4):
+            cu_seqlens = context.local_offsets(cu_seqlens, q.shape[-3], context_axis)
     plan = contract.check(q, k, v, g=g, g_gamma=g_gamma, gk=gk, gv=gv,
                           softmax_scale=softmax_scale, initial_state=initial_state,
                           reverse=reverse, cu_seqlens=cu_seqlens)
@@ -41,26 +56,55 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
     if not forward_mode_ok(plan, platform) and _in_forward_mode(
             q, k, v, g, gk, gv, g_gamma, initial_state):
         raise TypeError(forward_mode_message(plan, platform))
+    local = functools.partial(_local_pass, platform=platform, mode=mode)
+    arrays = (q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens)
+    if context_axis is None and sharding.partitions(platform, backend) and \
+            not sharding.varying(*arrays) and not _in_forward_mode(*arrays):
+        # many devices, outside shard_map: batch/head-sharded inputs stay local (its
+        # custom_vjp has no forward mode: jax.jvp takes the plain call)
+        o, final_state = sharding.batch_head_sharded(local, plan, arrays)
+    elif context_axis is None:
+        o, final_state = local(plan, *arrays)
+    else:
+        o, final_state = context.context_parallel(
+            plan, local, context_axis, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens,
+            cu_global)
+    return (o[0] if plan.packed else o), final_state
+
+
+def _local_pass(plan, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, *, platform,
+                mode):
+    """One platform's call on batched-layout arrays (absent ones None): (o, final_state).
+    Inside shard_map every input is first typed with the union of their varying mesh
+    axes (check_vma), and the XLA path gets its zero initial state that way too."""
+    q, k, v, g, gk, gv, g_gamma, initial_state = sharding.vary_all(
+        q, k, v, g, gk, gv, g_gamma, initial_state)
+    axes = sharding.varying(q, k, v)
+    if axes and initial_state is None and platform == "xla":
+        # the XLA path's scan carry starts from the initial state: an unvaried zero
+        # state would not match the varying carry it produces
+        initial_state = sharding.vary(jnp.zeros((plan.N, plan.H, plan.K, plan.V), jnp.float32
+                                                if plan.dtype != "float64" else jnp.float64),
+                                      axes)
+        plan = dataclasses.replace(plan, initial_state=True)
     try:
         if platform in ("xla", "pallas"):
             if platform == "xla":
                 from .xla import recurrent_xla as chunked
             else:
                 from .pallas import recurrent_pallas as chunked
-            o, final_state = chunked(plan, q, k, v, g=g, gk=gk, gv=gv, g_gamma=g_gamma,
-                                     initial_state=initial_state, cu_seqlens=cu_seqlens)
-        else:
-            from .triton_launch import triton_kernels
+            return chunked(plan, q, k, v, g=g, gk=gk, gv=gv, g_gamma=g_gamma,
+                           initial_state=initial_state, cu_seqlens=cu_seqlens)
+        from .triton_launch import triton_kernels
 
-            o, final_state = triton_kernels(plan, dispatch.kernel_mode(mode, plan), cu_seqlens,
-                                            q, k, v, g, gk, gv, g_gamma, initial_state)
+        return triton_kernels(plan, dispatch.kernel_mode(mode, plan), cu_seqlens,
+                              q, k, v, g, gk, gv, g_gamma, initial_state)
     except TypeError as e:
         # jax.jvp / jacfwd traced through one of our custom_vjp rules: JAX's own
         # message does not say which path has one, nor what works instead
         if "forward-mode" not in str(e):
             raise
         raise TypeError(forward_mode_message(plan, platform)) from e
-    return (o[0] if plan.packed else o), final_state
 
 
 def forward_mode_ok(plan, platform) -> bool:

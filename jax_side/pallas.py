@@ -43,6 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import pallas_kernels as pk
+from . import sharding
+from .sharding import struct, vary_all
 from .xla import _Layout
 
 CHUNK = pk.C
@@ -150,9 +152,11 @@ def _call(name, kernel, grid, in_specs, out_specs, tabs, args, out_shape, scratc
                               cost_estimate=cost, debug=_DEBUG and interp is False,
                               name=name, **params)
 
+    varying = sharding.varying(*args)
+    interp = lambda mode: sharding.lower_without_vma_check(build(mode), varying)
     if interpret is None:
-        return lax.platform_dependent(*tabs, *args, tpu=build(False), default=build(True))
-    return build(interpret)(*tabs, *args)
+        return lax.platform_dependent(*tabs, *args, tpu=build(False), default=interp(True))
+    return (build(False) if interpret is False else interp(interpret))(*tabs, *args)
 
 
 def _cost(kind, grid, K, BV, has_b, scalar, args, outs):
@@ -203,11 +207,11 @@ def _forward(cfg, tabs, q, k, v, a, b, h0, states=False):
     ins.append(sp.seq_state())
     args.append(h0)
     outs = [sp.tok(BV, vblock=True), sp.seq_state()]
-    shapes = [jax.ShapeDtypeStruct((S, R, H, C, V), q.dtype),
-              jax.ShapeDtypeStruct((N, H, K, V), F32)]
+    sds = functools.partial(struct, like=args)  # shard_map: vary as the inputs do
+    shapes = [sds((S, R, H, C, V), q.dtype), sds((N, H, K, V), F32)]
     if states:
         outs.append(sp.slot_state())
-        shapes.append(jax.ShapeDtypeStruct((S, R, H, K, V), state_dtype(q.dtype)))
+        shapes.append(sds((S, R, H, K, V), state_dtype(q.dtype)))
     grid = (R, H, V // BV, S)
     kern = functools.partial(pk.forward_kernel, has_b=has_b, states=states, scale=scale,
                              scalar=_scalar(a, b))
@@ -231,8 +235,8 @@ def _backward(cfg, tabs, q, k, v, a, b, h0, hs, do, dfin):
         args.append(b)
     ins += [rv.tok(BV, vblock=True), rv.seq_state()]
     args += [do, dfin]
-    shapes = [jax.ShapeDtypeStruct((S, R, H, K, V), state_dtype(q.dtype)),
-              jax.ShapeDtypeStruct((N, H, K, V), F32)]
+    sds = functools.partial(struct, like=(q, k, v, a, b, h0, hs, do, dfin))
+    shapes = [sds((S, R, H, K, V), state_dtype(q.dtype)), sds((N, H, K, V), F32)]
     dh, dh0 = _call("gla_state_grad",
                     functools.partial(pk.state_grad_kernel, has_b=has_b, scale=scale,
                                       scalar=scalar), grid,
@@ -249,14 +253,14 @@ def _backward(cfg, tabs, q, k, v, a, b, h0, hs, do, dfin):
     ins += [sp.tok(BV, vblock=True), sp.slot_state(), sp.slot_state()]
     args += [do, hs, dh]
     # gradients leave in the input dtype unless value blocks or grouped heads add up
-    part = lambda w, dt: jax.ShapeDtypeStruct((nV, S, R, H, C, w), dt if nV == 1 else F32)
+    part = lambda w, dt: sds((nV, S, R, H, C, w), dt if nV == 1 else F32)
     kvdt = lambda x: x.dtype if G == 1 else F32
     outs = [sp.part(K), sp.part(K), sp.part(A), sp.tok(BV, vblock=True)]
     shapes = [part(K, q.dtype), part(K, kvdt(k)), part(A, F32),
-              jax.ShapeDtypeStruct((S, R, H, C, V), kvdt(v))]
+              sds((S, R, H, C, V), kvdt(v))]
     if has_b:
         outs.append(sp.tok(BV, vblock=True))
-        shapes.append(jax.ShapeDtypeStruct((S, R, H, C, V), F32))
+        shapes.append(sds((S, R, H, C, V), F32))
     res = _call("gla_chunk_grad",
                 functools.partial(pk.chunk_grad_kernel, has_b=has_b, scale=scale,
                                   scalar=scalar), grid,
@@ -364,6 +368,7 @@ def recurrent_pallas(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, init
     b = lay.chunks(f(gv)) if plan.gv else None
     h0 = f(initial_state) if plan.initial_state else jnp.zeros((N, H, K, V), F32)
 
+    qc, kc, vc, a, b, h0 = vary_all(qc, kc, vc, a, b, h0)  # shard_map: one vma for all
     o, fin = _core((plan.group, float(plan.scale), interpret), _tables(lay, N),
                    qc, kc, vc, a, b, h0)
     return lay.tokens(o).astype(q.dtype), fin

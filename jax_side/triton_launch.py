@@ -20,6 +20,8 @@ from bridge import grads
 from bridge.kernels import family
 from bridge.launch import resolve_dtype
 
+from .sharding import vary, varying, vary_all
+
 _cache_dir = os.environ.get("TRITON_CACHE_DIR")
 try:  # jax-triton imports only with a GPU jaxlib
     import jax_triton as jt
@@ -47,6 +49,19 @@ def _jt_api():
     return tuple(int(x) for x in jt.__version__.split(".")[:2])
 
 
+def _varying_results(launch_fn):
+    """Under shard_map the results vary over the inputs' mesh axes: pure_callback
+    (and a kernel call) types them unvaried whatever the result specs say."""
+
+    @functools.wraps(launch_fn)
+    def wrapped(launches, env, want):
+        axes = varying(*env.values())
+        return {n: vary(x, axes) for n, x in launch_fn(launches, env, want).items()}
+
+    return wrapped
+
+
+@_varying_results
 def _run_gpu(launches, env, want):
     env = dict(env)
     dummy = env["q"]
@@ -81,6 +96,7 @@ def _to_host(t):
     return t.numpy()
 
 
+@_varying_results
 def _run_cpu(launches, env, want):
     names = [n for n, x in env.items() if x is not None]
     specs = {o.name: _spec(o, env) for launch in launches for o in launch.outputs if o}
@@ -110,6 +126,8 @@ def run(launches, env, want):
         return cpu(env)
     gpu = functools.partial(_run_gpu, launches, want=want)
     return jax.lax.platform_dependent(env, cpu=cpu, cuda=gpu)
+
+
 
 
 def _execute(plan, mode, stage, env):
@@ -208,7 +226,9 @@ def triton_kernels(plan, mode, cu_seqlens, q, k, v, g, gk, gv, g_gamma, initial_
 
 
 def _present(**arrays):
-    return {n: x for n, x in arrays.items() if x is not None}
+    """The given arrays, typed alike under shard_map (see `run`)."""
+    arrays = {n: x for n, x in arrays.items() if x is not None}
+    return dict(zip(arrays, vary_all(*arrays.values())))
 
 
 def _forward(plan, mode, cu_seqlens, *inputs):

@@ -11,9 +11,10 @@ import pytest
 ROOT = pathlib.Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text()
 ALL_BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
-# scripts for several processes (their first line names the torchrun command) run below
+# scripts for several processes (their first line names the torchrun command) run below;
+# "# many devices" blocks need 8 host devices: tests/test_jax_multidevice.py runs them
 TORCHRUN = [b for b in ALL_BLOCKS if b.startswith("# ") and "torchrun" in b.splitlines()[0]]
-BLOCKS = [b for b in ALL_BLOCKS if b not in TORCHRUN]
+BLOCKS = [b for b in ALL_BLOCKS if b not in TORCHRUN and not b.startswith("# many devices")]
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))

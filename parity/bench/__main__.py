@@ -59,6 +59,9 @@ def parse(argv):
                    help="only refresh the torch.compile-time section (cold compiles of the "
                         "torch layers, a few minutes) in OUT/results.json, and rewrite the "
                         "markdown from it")
+    p.add_argument("--multidevice", action="store_true",
+                   help="only refresh the multi-device section (context parallelism on 8 host "
+                        "devices, a few minutes) in OUT/results.json, and rewrite the markdown")
     a = p.parse_args(argv)
     if a.T is not None and min(a.T) <= 0:
         p.error(f"--T must be positive, got {a.T}")
@@ -114,6 +117,10 @@ def main(argv=None):
         if gpu.unavailable():
             raise SystemExit(f"--gpu: {gpu.unavailable()}")
         return refresh(args, "gpu", gpu.section)
+    if args.multidevice:
+        from . import multidevice
+
+        return refresh(args, "multidevice", multidevice.run)
     _reexec_with_malloc_env(argv)
 
     import torch
@@ -197,7 +204,7 @@ def _run_groups(args, impls, log):
 
 
 def _write_outputs(args, records, impls, machine, checks, gpu_section, json_path, log,
-                   readiness=None, compile_time=None):
+                   readiness=None, compile_time=None, multidevice=None):
     from . import anchors, report
 
     os.makedirs(args.out, exist_ok=True)
@@ -210,7 +217,7 @@ def _write_outputs(args, records, impls, machine, checks, gpu_section, json_path
     with open(md_path, "w") as f:
         f.write(report.markdown(records, impls, anchors.BASELINES, machine, checks,
                                 [os.path.relpath(p, md_dir) for p in plots], gpu_section,
-                                readiness, compile_time))
+                                readiness, compile_time, multidevice))
     log(f"wrote {md_path}, {json_path}" + "".join(f", {p}" for p in plots))
 
 
@@ -226,7 +233,7 @@ def render(args):
     impls = [i for i in anchors.cpu_impls() if i.name in names]
     _write_outputs(args, data["records"], impls, data["machine"], data["checks"],
                    data.get("gpu"), args.render, print, data.get("readiness"),
-                   data.get("compile_time"))
+                   data.get("compile_time"), data.get("multidevice"))
 
 
 def gpu_markdown(args, log):

@@ -164,7 +164,7 @@ def targets(records, machine) -> list:
 
 
 def markdown(records, impls, baselines, machine, checks, plots=(), gpu=None,
-             readiness=None, compile_time=None) -> str:
+             readiness=None, compile_time=None, multidevice=None) -> str:
     """The whole BENCHMARKS.md."""
     m = machine
     lines = ["# Benchmarks", "",
@@ -221,6 +221,9 @@ def markdown(records, impls, baselines, machine, checks, plots=(), gpu=None,
               compile_section(compile_time) if compile_time else
               "not measured in this run (`python -m parity.bench --compile-time` measures it).",
               ""]
+    from .multidevice import section as multidevice_section
+
+    lines += ["## Many devices (8 host devices, CPU)", "", multidevice_section(multidevice), ""]
     lines += ["## GPU", ""]
     lines += [gpu or "not measured: no GPU lent"]
     lines += [""]
