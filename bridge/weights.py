@@ -119,6 +119,28 @@ def check_params(params, config: LayerConfig, argname: str = "params") -> None:
                              f"{config}, got {got}")
 
 
+def check_inputs(config: LayerConfig, x, attention_mask=None, cu_seqlens=None,
+                 state=None) -> None:
+    """ValueError naming the argument unless a layer call's inputs fit `config`:
+    x [B, T, hidden_size]; attention_mask [B, T] (not with cu_seqlens); state
+    [N, H, K, V]. Both frameworks' layers call this."""
+    c = config
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) != 3 or shape[-1] != c.hidden_size:
+        raise ValueError(f"x: expected an array [B, T, {c.hidden_size}], got "
+                         f"{tuple(shape) if shape is not None else type(x).__name__}")
+    if attention_mask is not None:
+        if cu_seqlens is not None:
+            raise ValueError("attention_mask: give either attention_mask or cu_seqlens, not both")
+        if tuple(attention_mask.shape) != tuple(shape[:2]):
+            raise ValueError(f"attention_mask: expected shape [B, T] = {tuple(shape[:2])}, "
+                             f"got {tuple(attention_mask.shape)}")
+    H, K, V = c.num_heads, c.head_k_dim, c.head_v_dim
+    if state is not None and (len(state.shape) != 4 or tuple(state.shape[1:]) != (H, K, V)):
+        raise ValueError(f"state: expected shape [N, H={H}, K={K}, V={V}], "
+                         f"got {tuple(state.shape)}")
+
+
 def _module_config(module, argname="module"):
     config = getattr(module, "config", None)
     if not isinstance(config, LayerConfig):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bridge import variants
-from bridge.weights import LayerConfig, check_params, param_shapes
+from bridge.weights import LayerConfig, check_inputs, check_params, param_shapes
 from . import ops
 
 
@@ -67,19 +67,8 @@ def _apply(params, x, config, kind, attention_mask, cu_seqlens, state, use_cache
         raise ValueError(f"config: expected a LayerConfig with kind={kind!r}, got {config!r}")
     check_params(params, config)
     c = config
-    if getattr(x, "ndim", None) != 3 or x.shape[-1] != c.hidden_size:
-        raise ValueError(f"x: expected an array [B, T, {c.hidden_size}], got "
-                         f"{getattr(x, 'shape', type(x).__name__)}")
-    if attention_mask is not None:
-        if cu_seqlens is not None:
-            raise ValueError("attention_mask: give either attention_mask or cu_seqlens, not both")
-        if tuple(attention_mask.shape) != tuple(x.shape[:2]):
-            raise ValueError(f"attention_mask: expected shape [B, T] = {tuple(x.shape[:2])}, "
-                             f"got {tuple(attention_mask.shape)}")
+    check_inputs(c, x, attention_mask, cu_seqlens, state)
     H, Hk, K, V = c.num_heads, c.kv_heads, c.head_k_dim, c.head_v_dim
-    if state is not None and (state.ndim != 4 or tuple(state.shape[1:]) != (H, K, V)):
-        raise ValueError(f"state: expected shape [N, H={H}, K={K}, V={V}], "
-                         f"got {tuple(state.shape)}")
     lead = x.shape[:-1]
     q = _linear(x, params["q_proj.weight"]).reshape(*lead, H, K)
     k = _linear(x, params["k_proj.weight"]).reshape(*lead, Hk, K)

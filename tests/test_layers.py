@@ -317,6 +317,34 @@ def test_mismatched_weights_raise():
         gla_apply(p, jnp.zeros((2, 4, 16)), GLA, state=jnp.zeros((2, 2, 9, 8)))
 
 
+@pytest.mark.parametrize("bad", [
+    dict(x=(2, 4, 8)), dict(x=(4, 16)),
+    dict(attention_mask=(2, 5)), dict(attention_mask=(2, 4), cu_seqlens=True),
+    dict(state=(2, 2, 8, 9)), dict(state=(2, 8, 8)),
+])
+def test_layers_reject_bad_inputs_alike(bad):
+    """One check (bridge.weights.check_inputs) for both frameworks' layers: the same
+    ValueError text for the same bad input, before any projection runs."""
+    m = make_torch(GLA)
+    p = params_from_torch(m, copy=True)
+    shape = lambda n, d=None: bad.get(n, d)  # noqa: E731
+    x = shape("x", (2, 4, 16))
+    mask, state = shape("attention_mask"), shape("state")
+    cu = [0, 8] if bad.get("cu_seqlens") else None
+    with pytest.raises(ValueError) as t:
+        m(torch.zeros(x), attention_mask=None if mask is None else torch.ones(mask),
+          cu_seqlens=None if cu is None else torch.tensor(cu),
+          state=None if state is None else torch.zeros(state))
+    with pytest.raises(ValueError) as j:
+        gla_apply(p, jnp.zeros(x), GLA, attention_mask=None if mask is None else jnp.ones(mask),
+                  cu_seqlens=None if cu is None else jnp.array(cu),
+                  state=None if state is None else jnp.zeros(state))
+    assert str(t.value) == str(j.value)
+    assert str(t.value).split(":")[0] == next(iter(bad))
+    with pytest.raises(TypeError, match="^x: expected a torch.Tensor"):
+        m(np.zeros((2, 4, 16), np.float32))
+
+
 # ---------------------------------------------------------------- autocast
 def test_autocast_bf16_is_close():
     m = make_torch(GLA)

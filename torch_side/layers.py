@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bridge import variants
-from bridge.weights import LayerConfig
+from bridge.weights import LayerConfig, check_inputs
 from . import ops
 
 
@@ -40,17 +40,6 @@ class HeadRMSNorm(nn.Module):
         x32 = x.float()
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.float()).to(x.dtype)
-
-
-def check_mask(attention_mask, x, cu_seqlens):
-    """ValueError unless attention_mask is None or [B,T] matching x (and no cu_seqlens)."""
-    if attention_mask is None:
-        return
-    if cu_seqlens is not None:
-        raise ValueError("attention_mask: give either attention_mask or cu_seqlens, not both")
-    if tuple(attention_mask.shape) != tuple(x.shape[:2]):
-        raise ValueError(f"attention_mask: expected shape [B, T] = {tuple(x.shape[:2])}, "
-                         f"got {tuple(attention_mask.shape)}")
 
 
 class _Layer(nn.Module):
@@ -93,14 +82,10 @@ class _Layer(nn.Module):
 
     def forward(self, x, attention_mask=None, cu_seqlens=None, state=None, use_cache=False):
         c = self.config
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != c.hidden_size:
-            raise ValueError(f"x: expected a tensor [B, T, {c.hidden_size}], got "
-                             f"{tuple(x.shape) if hasattr(x, 'shape') else type(x).__name__}")
-        check_mask(attention_mask, x, cu_seqlens)
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+        check_inputs(c, x, attention_mask, cu_seqlens, state)
         H, Hk, K, V = c.num_heads, c.kv_heads, c.head_k_dim, c.head_v_dim
-        if state is not None and (state.dim() != 4 or tuple(state.shape[1:]) != (H, K, V)):
-            raise ValueError(f"state: expected shape [N, H={H}, K={K}, V={V}], "
-                             f"got {tuple(state.shape)}")
         q = self._heads(self.q_proj(x), H, K)
         k = self._heads(self.k_proj(x), Hk, K)
         v = self._heads(self.v_proj(x), Hk, V)
