@@ -34,6 +34,7 @@ from .xla_intra import forward_p, key_intra, tree_p
 # ~10% faster than 64 here: half the in-chunk FLOPs per token) and tokens per scan step
 STREAM_CHUNK = 32
 SLAB_TOKENS = 256
+STEP_T = 4  # at most this many tokens a row (decoding) run step by step, without chunks
 
 
 class _Layout:
@@ -186,10 +187,43 @@ def recurrent_xla(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial
     """
     if chunk_size < SUB or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size: expected a power of two >= {SUB}, got {chunk_size}")
+    if not plan.varlen and 0 < plan.T <= STEP_T:
+        return stepwise(plan, q, k, v, g, gk, gv, g_gamma, initial_state)
     if not plan.varlen and has_custom_vjp(plan):
         return _streamed_or_batched(plan, (q, k, v, g, gk, gv, g_gamma, initial_state),
                                     chunk_size)
     return _batched(plan, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, chunk_size)
+
+
+def stepwise(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial_state=None):
+    """Decoding (a few tokens a row, no cu_seqlens): the recurrence itself, one step a
+    token on the [B, H, K, V] state, S <- e^{a_t} S e^{b_t} + k_t^T v_t, o_t = scale q_t S;
+    no chunk layout. Plain JAX autodiff (forward mode too)."""
+    ct = jnp.float64 if plan.dtype == "float64" else jnp.float32
+    B, T, H, K, V, G = plan.B, plan.T, plan.H, plan.K, plan.V, plan.group
+    S = (jnp.asarray(initial_state, ct) if plan.initial_state
+         else jnp.zeros((B, H, K, V), ct))
+    gam = None if g_gamma is None else jnp.broadcast_to(jnp.asarray(g_gamma, ct), (B, H))
+    col = lambda x, t: jnp.asarray(x)[:, t].astype(ct)
+    o = [None] * T
+    for t in (reversed(range(T)) if plan.reverse else range(T)):
+        a = []
+        if g is not None:
+            a.append(col(g, t)[..., None] if plan.g == "head" else col(g, t))
+        if gk is not None:
+            a.append(col(gk, t))
+        if gam is not None:
+            a.append(gam[..., None])
+        if a:
+            S = S * jnp.exp(sum(a[1:], a[0]))[..., None]
+        if gv is not None:
+            S = S * jnp.exp(col(gv, t))[..., None, :]
+        kt, vt = col(k, t), col(v, t)
+        if G > 1:  # query head h reads kv head h // G
+            kt, vt = jnp.repeat(kt, G, axis=1), jnp.repeat(vt, G, axis=1)
+        S = S + kt[..., :, None] * vt[..., None, :]
+        o[t] = jnp.einsum("bhk,bhkv->bhv", col(q, t) * plan.scale, S)
+    return jnp.stack(o, 1).astype(plan.dtype), S
 
 
 def _streamed_or_batched(plan, inputs, C):

@@ -241,3 +241,34 @@ def test_targets_use_a_lower_bound_for_an_anchor_over_budget():
     assert "| jax-xla >= 10x faster than lax.scan | 5.00x (NOT met) |" in lines
     assert "20x (met)" in lines  # ejkernel packed 4.0 / 0.2
     assert "| jax-xla peak memory >= 4x below ejkernel XLA packed | 10x (met) |" in lines
+
+
+def test_decode_rows_agree_and_render():
+    """The decode benchmark's two layers (ours, and the plain per-step reference with the
+    same weights) give the same outputs and states before anything is timed (torch, tiny)."""
+    from parity.bench import decode
+
+    rows = decode.measure("torch", quick=True)
+    assert [r["batch"] for r in rows] == list(decode.QUICK["batches"])
+    assert all(r["max_abs_diff"] < 1e-5 and r["ours_s"] > 0 and r["ref_s"] > 0 for r in rows)
+    text = decode.section(rows + [{"framework": "jax", "error": "exit 1"}])
+    assert text.count("| torch |") == len(rows) and "jax: not measured (exit 1)" in text
+
+
+def test_forward_targets_rows():
+    """Issue 19's forward rows: the lowest ratio over T >= 1024, memory against output +
+    final state and against the run before."""
+    from parity.bench import report
+
+    shape = (1, 1, 2, 2)
+    rec = lambda impl, mode, T, s, peak=None: {"shape": list(shape), "mode": mode, "T": T,
+                                               "impl": impl, "median_s": s, "status": "ok",
+                                               "reason": "", "peak_bytes": peak, "flops": 1}
+    records = [rec("jax-xla", "fwd", 512, 1.0), rec("lax.scan", "fwd", 512, 0.1),
+               rec("jax-xla", "fwd", 1024, 1.0), rec("lax.scan", "fwd", 1024, 2.0),
+               rec("jax-xla", "fwd", 4096, 1.0, peak=3 * 4 * (4096 * 2 + 4)),
+               rec("lax.scan", "fwd", 4096, 1.2)]
+    text = "\n".join(report.targets(records, {}))
+    assert "lowest 1.20x (T=4096; T >= 1024: 2.00x, 1.20x) (NOT met)" in text
+    assert "jax-xla forward peak memory (no gradients) <= 3x output + final state, T=4096 | " \
+           "0.09 MiB = 3.00x (met)" in text

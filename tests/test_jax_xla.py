@@ -379,3 +379,15 @@ def test_forward_memory_is_output_plus_a_slab():
                                                    None, 64))
     out = 4096 * 2 * 32 * 4
     assert ours + out <= 3 * out and every_chunk >= 8 * out, (ours, every_chunk)
+
+
+@pytest.mark.parametrize("T,reverse", [(1, False), (3, True)])
+def test_decode_steps_match_oracle(T, reverse):
+    """A few tokens a row (decoding) take the step-by-step update (xla.stepwise), value and
+    gradients: every gate kind, GQA, per-sequence g_gamma, an initial state."""
+    x, _, _ = make(B=2, T=T, H=4, Hk=2, K=5, V=3, g="key", gk=True, gv=True, gamma="seq",
+                   h0=True)
+    assert_matches(x, reverse=reverse)
+    o, fs, _ = xla_run(x, reverse=reverse)  # the value without gradients
+    wo, wfs, _ = oracle_run(x, reverse=reverse)
+    assert rel(o, wo) <= FP32_TOL and rel(fs, wfs) <= FP32_TOL

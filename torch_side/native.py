@@ -28,9 +28,11 @@ import torch
 
 SUB = 16  # widest block
 LIMIT = 30.0  # largest |log decay| an in-block factor may carry (exp(30) ~ 1e13)
-# Elements of one slab input [H, slots, C, D] of the forward without autograd: it holds a
-# few tens of such arrays besides its output (~1 MiB each in float32)
+# Elements of one slab input [H, slots, C, D] of the forward without autograd, at most:
+# it holds ~20 such arrays besides its output, so a slab input is also kept below 1/16 of
+# the output (down to SLAB // 4); fewer, larger slabs cost less per op
 SLAB = 1 << 18
+STEP_T = 4  # at most this many tokens a row (decoding) run step by step, without chunks
 
 
 @functools.lru_cache(maxsize=64)
@@ -415,6 +417,10 @@ def recurrent_native(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, init
     B, T, H, Hk, K, V, N = plan.B, plan.T, plan.H, plan.Hk, plan.K, plan.V, plan.N
     L, out_dtype, dev = B * T, q.dtype, q.device
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    inputs = (q, k, v, g, gk, gv, g_gamma, initial_state)
+    graph = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+    if not graph and cu_seqlens is None and 0 < T <= STEP_T:
+        return _steps(plan, cd, *inputs)
     cu = tuple(b * T for b in range(B + 1)) if cu_seqlens is None else tuple(cu_seqlens.tolist())
     longest = max(e - s for s, e in zip(cu, cu[1:]))
     C = min(chunk_size, 1 << max(longest - 1, 0).bit_length())
@@ -429,8 +435,7 @@ def recurrent_native(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, init
             else initial_state.to(cd)
         return q.new_zeros(B, T, H, V) + zero.to(out_dtype), fin + zero.to(cd)
 
-    inputs = (q, k, v, g, gk, gv, g_gamma, initial_state)
-    if not (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)):
+    if not graph:
         return _streamed(plan, tab, C, cd, *inputs)
 
     def chunks(x, scale=1.0):
@@ -462,6 +467,32 @@ def recurrent_native(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, init
     return o, fin.index_select(1, tab["unorder"]).transpose(0, 1).contiguous()
 
 
+def _steps(plan, cd, q, k, v, g, gk, gv, g_gamma, initial_state):
+    """Decoding (a few tokens a row, no cu_seqlens, no autograd): the recurrence itself,
+    S <- e^{a_t} S e^{b_t} + k_t^T v_t and o_t = scale q_t S, one step a token on the
+    [B, H, K, V] state in place; no chunks, no tables."""
+    B, T, H, Hk, K, V = plan.B, plan.T, plan.H, plan.Hk, plan.K, plan.V
+    S = (initial_state.to(cd, copy=True) if initial_state is not None
+         else torch.zeros(B, H, K, V, dtype=cd, device=q.device))
+    o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
+    gam = None if g_gamma is None else g_gamma.to(cd).expand(B, H).unsqueeze(-1)
+    col = lambda x, t: x[:, t].to(cd)
+    for t in (reversed(range(T)) if plan.reverse else range(T)):
+        a = [col(g, t).unsqueeze(-1) if plan.g == "head" else col(g, t)] if g is not None else []
+        a += [col(gk, t)] if gk is not None else []
+        a += [gam] if gam is not None else []
+        if a:  # (views of the inputs: nothing here is in place but S)
+            S.mul_(functools.reduce(torch.add, a).exp().unsqueeze(-1))
+        if gv is not None:
+            S.mul_(col(gv, t).exp().unsqueeze(-2))
+        kt, vt = col(k, t), col(v, t)
+        if Hk != H:  # query head h reads kv head h // (H // Hk)
+            kt, vt = kt.repeat_interleave(H // Hk, 1), vt.repeat_interleave(H // Hk, 1)
+        S.view(B * H, K, V).baddbmm_(kt.reshape(B * H, K, 1), vt.reshape(B * H, 1, V))
+        o[:, t] = torch.matmul((col(q, t) * plan.scale).unsqueeze(-2), S).squeeze(-2).to(o.dtype)
+    return o, S
+
+
 def _streamed(plan, tab, C, cd, q, k, v, g, gk, gv, g_gamma, initial_state):
     """recurrent_native without autograd, a slab of chunk steps at a time: the slab's
     tokens are gathered straight from the inputs and its output written straight into
@@ -472,6 +503,7 @@ def _streamed(plan, tab, C, cd, q, k, v, g, gk, gv, g_gamma, initial_state):
     offs = np.cumsum([0] + cnt).tolist()
     tok = tab["tok"].view(M, C)
     per_slot = H * C * max(K, V)
+    budget = min(SLAB, max(SLAB // 4, L * H * V // 16))
     if plan.g == "head":
         g = g.unsqueeze(-1)
     gam = None
@@ -487,8 +519,8 @@ def _streamed(plan, tab, C, cd, q, k, v, g, gk, gv, g_gamma, initial_state):
         state = torch.zeros(H, N, K, V, dtype=cd, device=q.device)
     finals, c0 = [], 0
     while c0 < len(cnt):
-        c1 = c0 + 1  # as many steps as fit SLAB elements a slab input, at least one
-        while c1 < len(cnt) and (offs[c1 + 1] - offs[c0]) * per_slot <= SLAB:
+        c1 = c0 + 1  # as many steps as fit the budget, at least one
+        while c1 < len(cnt) and (offs[c1 + 1] - offs[c0]) * per_slot <= budget:
             c1 += 1
         r0, r1 = offs[c0], offs[c1]
         idx, keep = tok[r0:r1].reshape(-1), None if mask is None else mask[r0:r1]

@@ -148,11 +148,16 @@ def main(argv=None):
 
     ready = None if args.quick else readiness.run(settings.log)
     compiled = None if args.quick else compile_time.run(settings.log)
+    from . import decode, profile
+
+    decoded = None if args.quick else decode.run(settings.log)
+    stages = None if args.quick else profile.run(settings.log)
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, "results.json")
-    report.write_json(json_path, records, machine, checks, gpu_section, ready, compiled)
+    report.write_json(json_path, records, machine, checks, gpu_section, ready, compiled,
+                      decode=decoded, profile=stages)
     _write_outputs(args, records, impls, machine, checks, gpu_section, json_path, settings.log,
-                   ready)
+                   ready, compiled, decode=decoded, profile=stages)
 
 
 def _run_groups(args, impls, log):
@@ -188,7 +193,7 @@ def _run_groups(args, impls, log):
 
 
 def _write_outputs(args, records, impls, machine, checks, gpu_section, json_path, log,
-                   readiness=None, compile_time=None):
+                   readiness=None, compile_time=None, decode=None, profile=None):
     from . import anchors, report
 
     os.makedirs(args.out, exist_ok=True)
@@ -201,7 +206,7 @@ def _write_outputs(args, records, impls, machine, checks, gpu_section, json_path
     with open(md_path, "w") as f:
         f.write(report.markdown(records, impls, anchors.BASELINES, machine, checks,
                                 [os.path.relpath(p, md_dir) for p in plots], gpu_section,
-                                readiness, compile_time))
+                                readiness, compile_time, decode=decode, profile=profile))
     log(f"wrote {md_path}, {json_path}" + "".join(f", {p}" for p in plots))
 
 
@@ -217,7 +222,8 @@ def render(args):
     impls = [i for i in anchors.cpu_impls() if i.name in names]
     _write_outputs(args, data["records"], impls, data["machine"], data["checks"],
                    data.get("gpu"), args.render, print, data.get("readiness"),
-                   data.get("compile_time"))
+                   data.get("compile_time"), decode=data.get("decode"),
+                   profile=data.get("profile"))
 
 
 def refresh(args, key, run):
