@@ -9,14 +9,9 @@ such child per framework, as the CPU sweep does (a process that has run XLA time
 differently).
 """
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
 
-from . import timing
+from . import children, timing
 
 HIDDEN, HEADS, BATCHES, STEPS = 1024, 8, (1, 8), 32
 QUICK = dict(hidden=64, heads=2, batches=(1, 2), steps=4)
@@ -150,20 +145,7 @@ def measure(framework, quick=False):
 
 def run(log=print, quick=False) -> list:
     """Both frameworks, each in a child process; their rows."""
-    rows = []
-    for framework in ("torch", "jax"):
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "decode.json")
-            cmd = [sys.executable, "-m", "parity.bench.decode", framework, path] + (
-                ["--quick"] if quick else [])
-            log(f"decode: {framework}")
-            proc = subprocess.run(cmd)
-            if proc.returncode != 0 or not os.path.exists(path):
-                rows.append({"framework": framework, "error": f"exit {proc.returncode}"})
-                continue
-            with open(path) as f:
-                rows += json.load(f)
-    return rows
+    return children.per_framework("parity.bench.decode", log, quick)
 
 
 def section(rows) -> str:
@@ -196,8 +178,4 @@ def section(rows) -> str:
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    quick = "--quick" in args
-    framework, out = [a for a in args if a != "--quick"]
-    with open(out, "w") as f:
-        json.dump(measure(framework, quick), f)
+    children.child_main(measure)

@@ -11,14 +11,9 @@ backward reads (what the forward op ran before issue 19) and in the one that str
 `run` starts one child per framework, as the CPU sweep does.
 """
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
 
-from . import timing, verify
+from . import children, timing, verify
 
 SHAPES = [(2, 8, 64, 64), (1, 4, 128, 128)]
 T, QUICK_T, C, REPEATS = 4096, 256, 64, 5
@@ -138,20 +133,7 @@ def measure(framework, quick=False):
 
 def run(log=print, quick=False) -> list:
     """Both frameworks, each in a child process; their tables."""
-    out = []
-    for framework in ("torch", "jax"):
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "profile.json")
-            cmd = [sys.executable, "-m", "parity.bench.profile", framework, path] + (
-                ["--quick"] if quick else [])
-            log(f"profile: {framework}")
-            proc = subprocess.run(cmd)
-            if proc.returncode != 0 or not os.path.exists(path):
-                out.append({"framework": framework, "error": f"exit {proc.returncode}"})
-                continue
-            with open(path) as f:
-                out += json.load(f)
-    return out
+    return children.per_framework("parity.bench.profile", log, quick)
 
 
 def section(tables) -> str:
@@ -174,8 +156,4 @@ def section(tables) -> str:
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    quick = "--quick" in args
-    framework, out = [a for a in args if a != "--quick"]
-    with open(out, "w") as f:
-        json.dump(measure(framework, quick), f)
+    children.child_main(measure)
