@@ -13,16 +13,28 @@ has a hand-written backward (xla_intra.py: about 1.5x faster than autodiff of
 the tree); everything else, and float64 (forward-mode checks), is JAX
 autodiff. Nothing per step is kept, and `jax.checkpoint` did not lower XLA's
 peak memory here, so it is not used.
+
+Where that backward is a custom VJP anyway (key-dim gates without gv, no cu_seqlens),
+a forward that is not differentiated takes `streamed` instead: a scan over slabs of
+chunks straight from the token layout, with the in-chunk weights built in one pass
+over 16-blocks (xla_intra.block_p), so its memory is the output plus one slab.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from .xla_decay import SUB, _level, _local, _rowdot, _spans
-from .xla_intra import key_intra, tree_p
+from .xla_intra import forward_p, key_intra, tree_p
+
+# The forward-only scan (`streamed`): its chunk (at most the caller's chunk_size; 32 ran
+# ~10% faster than 64 here: half the in-chunk FLOPs per token) and tokens per scan step
+STREAM_CHUNK = 32
+SLAB_TOKENS = 256
+STEP_T = 4  # at most this many tokens a row (decoding) run step by step, without chunks
 
 
 class _Layout:
@@ -175,6 +187,146 @@ def recurrent_xla(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial
     """
     if chunk_size < SUB or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size: expected a power of two >= {SUB}, got {chunk_size}")
+    if not plan.varlen and 0 < plan.T <= STEP_T:
+        return stepwise(plan, q, k, v, g, gk, gv, g_gamma, initial_state)
+    if not plan.varlen and has_custom_vjp(plan):
+        return _streamed_or_batched(plan, (q, k, v, g, gk, gv, g_gamma, initial_state),
+                                    chunk_size)
+    return _batched(plan, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, chunk_size)
+
+
+def stepwise(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial_state=None):
+    """Decoding (a few tokens a row, no cu_seqlens): the recurrence itself, one step a
+    token on the [B, H, K, V] state, S <- e^{a_t} S e^{b_t} + k_t^T v_t, o_t = scale q_t S;
+    no chunk layout. Plain JAX autodiff (forward mode too)."""
+    ct = jnp.float64 if plan.dtype == "float64" else jnp.float32
+    B, T, H, K, V, G = plan.B, plan.T, plan.H, plan.K, plan.V, plan.group
+    S = (jnp.asarray(initial_state, ct) if plan.initial_state
+         else jnp.zeros((B, H, K, V), ct))
+    gam = None if g_gamma is None else jnp.broadcast_to(jnp.asarray(g_gamma, ct), (B, H))
+    col = lambda x, t: jnp.asarray(x)[:, t].astype(ct)
+    o = [None] * T
+    for t in (reversed(range(T)) if plan.reverse else range(T)):
+        a = []
+        if g is not None:
+            a.append(col(g, t)[..., None] if plan.g == "head" else col(g, t))
+        if gk is not None:
+            a.append(col(gk, t))
+        if gam is not None:
+            a.append(gam[..., None])
+        if a:
+            S = S * jnp.exp(sum(a[1:], a[0]))[..., None]
+        if gv is not None:
+            S = S * jnp.exp(col(gv, t))[..., None, :]
+        kt, vt = col(k, t), col(v, t)
+        if G > 1:  # query head h reads kv head h // G
+            kt, vt = jnp.repeat(kt, G, axis=1), jnp.repeat(vt, G, axis=1)
+        S = S + kt[..., :, None] * vt[..., None, :]
+        o[t] = jnp.einsum("bhk,bhkv->bhv", col(q, t) * plan.scale, S)
+    return jnp.stack(o, 1).astype(plan.dtype), S
+
+
+def _streamed_or_batched(plan, inputs, C):
+    """The value from `streamed` (one chunk at a time: no full-size temporaries), the
+    derivative from `_batched` (all chunks at once, its residuals kept for the backward).
+    Only where the derivative is a custom VJP anyway (no forward mode is lost)."""
+    present = [i for i, x in enumerate(inputs) if x is not None]
+
+    def full(xs):
+        args = [None] * len(inputs)
+        for i, x in zip(present, xs):
+            args[i] = x
+        return args
+
+    @jax.custom_vjp
+    def run(*xs):
+        return streamed(plan, *full(xs), chunk_size=C)
+
+    def fwd(*xs):
+        out, vjp = jax.vjp(lambda *ys: _batched(plan, *full(ys), None, C), *xs)
+        return out, vjp  # a pytree (jax.tree_util.Partial) of the residuals
+
+    run.defvjp(fwd, lambda vjp, ct: vjp(ct))
+    return run(*(inputs[i] for i in present))
+
+
+def streamed(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial_state=None,
+             chunk_size=64, slab=None):
+    """The forward alone (no cu_seqlens): `slab` chunks of STREAM_CHUNK tokens (default:
+    SLAB_TOKENS tokens in all) of every row and head per `lax.scan` step, read straight
+    from the token layout and written into the output in place: besides the output and
+    the state, only one slab's temporaries are live, and each step's ops are large enough
+    that XLA's per-op cost stays small. Same arguments and results as `recurrent_xla`."""
+    ct = jnp.float64 if plan.dtype == "float64" else jnp.float32
+    C = min(chunk_size, STREAM_CHUNK)
+    B, T, H, K, V, G = plan.B, plan.T, plan.H, plan.K, plan.V, plan.group
+    n = slab or max(1, SLAB_TOKENS // C)
+    n = min(n, max(1, -(-T // C)))
+    W = n * C  # tokens a step
+    S = max(1, -(-T // W))
+    f = lambda x: None if x is None else jnp.asarray(x)
+    q, k, v, g, gk = map(f, (q, k, v, g, gk))
+    if plan.g == "head":
+        g = g[..., None]
+    seqs = [x for x in (q, k, v, g, gk) if x is not None]
+    if S * W != T:  # zero tokens (gate 0) at the end leave o and the state unchanged
+        pad = lambda x: jnp.pad(x, ((0, 0), (S * W - T if plan.reverse else 0,
+                                             0 if plan.reverse else S * W - T), (0, 0), (0, 0)))
+        seqs = [pad(x) for x in seqs]
+    gam = None
+    if plan.g_gamma != "none":
+        gam = jnp.asarray(g_gamma, ct)
+        gam = (gam if plan.g_gamma == "seq" else jnp.broadcast_to(gam, (B, H)))
+        gam = gam[:, :, None, None, None]
+    # the chunk scan's initial carry: the state [B, H, K, V] and the output buffer
+    h0 = (jnp.asarray(initial_state, ct) if plan.initial_state
+          else jnp.zeros((B, H, K, V), ct))
+    o0 = jnp.zeros((B, S * W, H, V), plan.dtype)
+
+    def start(c):  # first token of step c's slab in the (padded) token layout
+        return (S - 1 - c if plan.reverse else c) * W
+
+    def chunks(x, c):
+        """[B, S*W, h, D] -> step c's slab [B, H, n, C, D] in processing order."""
+        x = lax.dynamic_slice_in_dim(x, start(c), W, axis=1)
+        x = jnp.flip(x, 1) if plan.reverse else x
+        x = x.astype(ct).reshape(B, n, C, *x.shape[2:]).transpose(0, 3, 1, 2, 4)
+        return jnp.repeat(x, G, axis=1) if G > 1 and x.shape[1] != H else x
+
+    def step(carry, c):
+        s, out = carry
+        xs = iter(chunks(x, c) for x in seqs)
+        cq, ck, cv = next(xs) * plan.scale, next(xs), next(xs)
+        a = list(xs)
+        if gam is not None:
+            pos = c * W + jnp.arange(W).reshape(n, C, 1)
+            a.append(jnp.broadcast_to(gam * (pos < T), (B, H, n, C, 1)))
+        a = sum(a[1:], a[0])
+        cq, ck, cv, a = (x.reshape(B * H * n, C, x.shape[-1]) for x in (cq, ck, cv, a))
+        ka = _local(a)  # as _chunk_terms, without a backward to prepare for
+        o = forward_p(cq, ck, ka) @ cv
+        into, after = _spans(*ka, C)
+        q_in, dA = cq * jnp.exp(into), jnp.exp(jnp.sum(ka[2], 1))
+        u = jnp.einsum("zck,zcv->zkv", ck * jnp.exp(after), cv)
+        dA, u = dA.reshape(B * H, n, K, 1), u.reshape(B * H, n, K, V)
+        s = s.reshape(B * H, K, V)
+        entering = []
+        for i in range(n):  # the state recurrence over the slab's chunks
+            entering.append(s)
+            s = s * dA[:, i] + u[:, i]
+        o = o.reshape(B * H, n, C, V) + jnp.einsum(
+            "znck,znkv->zncv", q_in.reshape(B * H, n, C, K), jnp.stack(entering, 1))
+        o = o.reshape(B, H, W, V).transpose(0, 2, 1, 3)
+        o = jnp.flip(o, 1) if plan.reverse else o
+        out = lax.dynamic_update_slice_in_dim(out, o.astype(out.dtype), start(c), axis=1)
+        return (s.reshape(B, H, K, V), out), None
+
+    (fin, o), _ = lax.scan(step, (h0, o0), jnp.arange(S))
+    return (o[:, S * W - T:] if plan.reverse else o[:, :T]), fin
+
+
+def _batched(plan, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, chunk_size):
+    """recurrent_xla on all chunks at once (see the module docstring)."""
     ct = jnp.float64 if plan.dtype == "float64" else jnp.float32  # accumulation dtype
     H, K, V, N, G = plan.H, plan.K, plan.V, plan.N, plan.group
     lay = _Layout(plan, cu_seqlens, chunk_size)

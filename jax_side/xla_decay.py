@@ -7,6 +7,7 @@ subtracted, which keeps strong gates at scan-level precision.
 """
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 SUB = 16  # sub-chunk width: the span of in-block cumulative log-gate sums
@@ -18,9 +19,10 @@ def _local(a):
     end (its own suffix scan, so nothing cancels), tau [Z, C/16, D] block totals."""
     Z, C, D = a.shape
     b = a.reshape(Z, C // SUB, SUB, D)
-    alpha = lax.cumsum(b, axis=2)
-    suffix = lax.cumsum(b, axis=2, reverse=True)
-    beta = jnp.concatenate([suffix[:, :, 1:], jnp.zeros_like(suffix[:, :, :1])], 2)
+    # triangular matmuls: XLA CPU's cumulative sums (reduce-window) cost several times more
+    ones = np.ones((SUB, SUB))
+    alpha = jnp.einsum("ts,znsd->zntd", jnp.asarray(np.tril(ones), a.dtype), b)
+    beta = jnp.einsum("ts,znsd->zntd", jnp.asarray(np.triu(ones, 1), a.dtype), b)
     return alpha.reshape(Z, C, D), beta.reshape(Z, C, D), alpha[:, :, -1]
 
 

@@ -257,3 +257,34 @@ def test_gpu_section_kept_on_a_machine_without_one(tmp_path):
     assert gpu_markdown(args, print) == "Measured on an H100: 4.17 ms"
     with pytest.raises(SystemExit, match="no CUDA device"):
         main(["--gpu", "--out", str(tmp_path)])
+
+
+def test_decode_rows_agree_and_render():
+    """The decode benchmark's two layers (ours, and the plain per-step reference with the
+    same weights) give the same outputs and states before anything is timed (torch, tiny)."""
+    from parity.bench import decode
+
+    rows = decode.measure("torch", quick=True)
+    assert [r["batch"] for r in rows] == list(decode.QUICK["batches"])
+    assert all(r["max_abs_diff"] < 1e-5 and r["ours_s"] > 0 and r["ref_s"] > 0 for r in rows)
+    text = decode.section(rows + [{"framework": "jax", "error": "exit 1"}])
+    assert text.count("| torch |") == len(rows) and "jax: not measured (exit 1)" in text
+
+
+def test_forward_targets_rows():
+    """Issue 19's forward rows: the lowest ratio over T >= 1024, memory against output +
+    final state and against the run before."""
+    from parity.bench import report
+
+    shape = (1, 1, 2, 2)
+    rec = lambda impl, mode, T, s, peak=None: {"shape": list(shape), "mode": mode, "T": T,
+                                               "impl": impl, "median_s": s, "status": "ok",
+                                               "reason": "", "peak_bytes": peak, "flops": 1}
+    records = [rec("jax-xla", "fwd", 512, 1.0), rec("lax.scan", "fwd", 512, 0.1),
+               rec("jax-xla", "fwd", 1024, 1.0), rec("lax.scan", "fwd", 1024, 2.0),
+               rec("jax-xla", "fwd", 4096, 1.0, peak=3 * 4 * (4096 * 2 + 4)),
+               rec("lax.scan", "fwd", 4096, 1.2)]
+    text = "\n".join(report.targets(records, {}))
+    assert "lowest 1.20x (T=4096; T >= 1024: 2.00x, 1.20x) (NOT met)" in text
+    assert "jax-xla forward peak memory (no gradients) <= 3x output + final state, T=4096 | " \
+           "0.09 MiB = 3.00x (met)" in text

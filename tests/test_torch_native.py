@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from bridge.contract import check
+from parity.bench.timing import peak_memory_bytes
 from parity.oracle import recurrent, recurrent_grads
 from torch_side import native
 from torch_side.native import recurrent_native
@@ -302,3 +303,58 @@ def test_saved_memory_is_linear_in_tokens():
     assert saved < 16 * token + 4 * chunk_states, (saved, token, chunk_states)
     assert saved < B * T * H * K * V * 4  # far below per-step states
     (o.sum() + s.sum()).backward()
+
+
+# --- the forward without autograd (slabs of chunk steps) ---------------------------------------
+
+@pytest.mark.parametrize("case", ["batched", "varlen-reverse"])
+def test_streamed_forward_matches_oracle(monkeypatch, case):
+    """Without autograd the forward runs a few chunk steps at a time (_streamed); SLAB
+    shrunk so every slab holds one or two steps, sequences end inside and between slabs."""
+    monkeypatch.setattr(native, "SLAB", 2 * 2 * 8 * 8)  # one or two slots of [H, C=8, D]
+    if case == "batched":
+        kw, cu = make(seed=30, B=3, T=29, H=2, Hk=1, K=5, V=4, g="head", gk=True, gv=True,
+                      g_gamma="head", initial_state=True)
+        reverse = False
+    else:
+        kw, cu = make(seed=31, seqlens=(17, 0, 5, 30), H=2, K=4, V=3, g="key", gv=True,
+                      g_gamma="seq", initial_state=True)
+        reverse = True
+    with torch.no_grad():
+        o, s = native_call(kw, cu, reverse, chunk_size=8)
+    wo, ws = oracle_call(kw, cu, reverse)
+    assert not o.requires_grad
+    assert rel(o, wo) < 1e-12 and rel(s, ws) < 1e-12
+
+
+def test_streamed_forward_memory_is_output_plus_a_slab(monkeypatch):
+    """Without autograd: the output, the final state and one slab's workspace; the autograd
+    path (the same inputs requiring grad) holds several full-size relayouts."""
+    monkeypatch.setattr(native, "SLAB", 1 << 14)  # 4 slots of [H=2, C=64, D=32]: 256 tokens
+    B, T, H, K, V = 1, 16384, 2, 32, 32
+    kw, _ = make(seed=32, B=B, T=T, H=H, K=K, V=V, g="key", dtype=torch.float32)
+    plan = check(**kw)
+    call = lambda x: recurrent_native(plan, x["q"], x["k"], x["v"], g=x["g"])
+    with torch.no_grad():
+        o, s = call(kw)
+        peak = peak_memory_bytes(lambda: call(kw))  # resident-set growth during the call
+    graph_peak = peak_memory_bytes(lambda: call(kw))
+    out = (o.numel() + s.numel()) * 4
+    one_input = B * T * H * K * 4
+    assert peak <= out + one_input, (peak, out)  # a slab: 1/64 of the tokens, ~25 arrays
+    assert graph_peak >= out + 4 * one_input, (graph_peak, out)
+
+
+@pytest.mark.parametrize("T,reverse", [(1, False), (3, True)])
+def test_decode_steps_match_oracle(T, reverse):
+    """A few tokens a row without autograd (decoding) take the step-by-step update (_steps):
+    every gate kind, GQA, per-sequence g_gamma, an initial state; the inputs stay untouched."""
+    kw, _ = make(seed=33, B=2, T=T, H=4, Hk=2, K=5, V=3, g="key", gk=True, gv=True,
+                 g_gamma="seq", initial_state=True, dtype=torch.float32)
+    before = {n: x.detach().clone() for n, x in kw.items()}
+    with torch.no_grad():
+        o, s = native_call(kw, reverse=reverse)
+    wo, ws = oracle_call(kw, reverse=reverse)
+    assert o.dtype == torch.float32 and s.dtype == torch.float32
+    assert rel(o, wo) < 1e-6 and rel(s, ws) < 1e-6
+    assert all(torch.equal(kw[n].detach(), before[n]) for n in kw)

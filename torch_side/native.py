@@ -28,6 +28,11 @@ import torch
 
 SUB = 16  # widest block
 LIMIT = 30.0  # largest |log decay| an in-block factor may carry (exp(30) ~ 1e13)
+# Elements of one slab input [H, slots, C, D] of the forward without autograd, at most:
+# it holds ~20 such arrays besides its output, so a slab input is also kept below 1/16 of
+# the output (down to SLAB // 4); fewer, larger slabs cost less per op
+SLAB = 1 << 18
+STEP_T = 4  # at most this many tokens a row (decoding) run step by step, without chunks
 
 
 @functools.lru_cache(maxsize=64)
@@ -242,44 +247,10 @@ class _Chunked(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, a, b, h0, cnt):
-        C, w = q.shape[-2], min(SUB, q.shape[-2])
-        A = _Side.of(a, w) if a is not None else _NoSide()
-        B = _Side.of(b, min(A.w, w)) if b is not None else _NoSide()
-        if a is not None and A.w > B.w:  # the value side needed narrower blocks
-            A = _Side.of(a, B.w)
-        w = min(A.w, B.w, w)
-        levels = [w << i for i in range((C // w).bit_length() - 1)]
-        blocks = lambda x: x.unflatten(-2, (-1, w))
-
-        qa, kb, vb = _blk(q, A.ea, w), _blk(k, A.eb, w), _blk(v, B.eb, w)
-        qc = _blk(q, A.eb, w, div=True)
-        # diagonal blocks, referenced at the block end; with value gates each token's own term
-        # (j = i) apart, for their gradient (see the class docstring)
-        Pd = _mm(blocks(qc), blocks(kb).mT).tril_(-1 if b is not None else 0)
-        Pii = (q * k).sum(-1, keepdim=True) if b is not None else None
-        yd = _mm(Pd, blocks(vb))
-        # right halves of 2s-segments against their left halves, referenced at the midpoint
-        Ps, ys = [], []
-        for s in levels:
-            qs, ks = A.at(_part(qa, s, 1), s, 1), A.at(_part(kb, s, 0), s, 0)
-            Ps.append(_mm(qs, ks.mT))
-            ys.append(_mm(Ps[-1], B.at(_part(vb, s, 0), s, 0)))
-        # chunk updates and the state recurrence
-        qi, ku, vu = A.chunk(qa, 1), A.chunk(kb, 0), B.chunk(vb, 0)
-        starts, fin = _recur(_mm(ku.mT, vu), _decay(A, B), h0, cnt)
-        o = B.chunk(_mm(qi, starts), 1, inplace=True)
-        for s, y in zip(levels, ys):
-            _part(o, s, 1).add_(B.at(y, s, 1, inplace=True))
-        if B.eb is not None:
-            yd = _blk(yd.flatten(-3, -2), B.eb, w, div=True, inplace=True)
-            o = _blk(o, B.ea, w, inplace=True).add_(yd)
-        else:
-            blocks(o).add_(yd)
-
+        o, fin, _, saved, (w, levels) = _forward(q, k, v, a, b, h0, cnt)
         ctx.w, ctx.levels, ctx.cnt = w, levels, cnt
-        ctx.save_for_backward(q, k, v, qa, kb, qc, vb, qi, ku, vu, Pd, Pii, starts,
-                              o if b is not None else None, *A.tensors(), *B.tensors(), *Ps)
-        return (torch.addcmul(o, Pii, v) if b is not None else o), fin
+        ctx.save_for_backward(*saved)
+        return o, fin
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -342,28 +313,76 @@ class _Chunked(torch.autograd.Function):
         return dq, dk, dv, da, db, dh0, None
 
 
-def _recur(U, decay, h0, cnt):
+def _forward(q, k, v, a, b, h0, cnt, after=0):
+    """_Chunked's forward on slot-layout tensors (see there). `after`: how many sequences
+    go on past these steps (a slab of a longer run; their states come back as `carry`
+    [H, after, K, V] and are not among the final states). Returns (o, final states,
+    carry, the tensors the backward reads, (w, levels))."""
+    C, w = q.shape[-2], min(SUB, q.shape[-2])
+    A = _Side.of(a, w) if a is not None else _NoSide()
+    B = _Side.of(b, min(A.w, w)) if b is not None else _NoSide()
+    if a is not None and A.w > B.w:  # the value side needed narrower blocks
+        A = _Side.of(a, B.w)
+    w = min(A.w, B.w, w)
+    levels = [w << i for i in range((C // w).bit_length() - 1)]
+    blocks = lambda x: x.unflatten(-2, (-1, w))
+
+    qa, kb, vb = _blk(q, A.ea, w), _blk(k, A.eb, w), _blk(v, B.eb, w)
+    qc = _blk(q, A.eb, w, div=True)
+    # diagonal blocks, referenced at the block end; with value gates each token's own term
+    # (j = i) apart, for their gradient (see the class docstring)
+    Pd = _mm(blocks(qc), blocks(kb).mT).tril_(-1 if b is not None else 0)
+    Pii = (q * k).sum(-1, keepdim=True) if b is not None else None
+    yd = _mm(Pd, blocks(vb))
+    # right halves of 2s-segments against their left halves, referenced at the midpoint
+    Ps, ys = [], []
+    for s in levels:
+        qs, ks = A.at(_part(qa, s, 1), s, 1), A.at(_part(kb, s, 0), s, 0)
+        Ps.append(_mm(qs, ks.mT))
+        ys.append(_mm(Ps[-1], B.at(_part(vb, s, 0), s, 0)))
+    # chunk updates and the state recurrence
+    qi, ku, vu = A.chunk(qa, 1), A.chunk(kb, 0), B.chunk(vb, 0)
+    starts, fin, carry = _recur(_mm(ku.mT, vu), _decay(A, B), h0, cnt, after)
+    o = B.chunk(_mm(qi, starts), 1, inplace=True)
+    for s, y in zip(levels, ys):
+        _part(o, s, 1).add_(B.at(y, s, 1, inplace=True))
+    if B.eb is not None:
+        yd = _blk(yd.flatten(-3, -2), B.eb, w, div=True, inplace=True)
+        o = _blk(o, B.ea, w, inplace=True).add_(yd)
+    else:
+        blocks(o).add_(yd)
+    saved = (q, k, v, qa, kb, qc, vb, qi, ku, vu, Pd, Pii, starts,
+             o if b is not None else None, *A.tensors(), *B.tensors(), *Ps)
+    return (torch.addcmul(o, Pii, v) if b is not None else o), fin, carry, saved, (w, levels)
+
+
+def _recur(U, decay, h0, cnt, after=0):
     """S <- decay * S + U over the chunk steps. U [H, M, K, V] in slot order, h0 [H, N, K, V]
-    in rank order. Returns the states entering every chunk [H, M, K, V] and the final
-    states [H, N, K, V] (rank order)."""
+    in rank order. Returns the states entering every chunk [H, M, K, V], the final
+    states [H, N - after, K, V] (rank order) and the states of the `after` sequences still
+    active past the last step [H, after, K, V] (a slab of a longer run)."""
     starts = torch.empty_like(U)
     starts[:, :cnt[0]] = h0[:, :cnt[0]]
     finals = [h0[:, cnt[0]:]]
     offs = np.cumsum([0] + cnt).tolist()
+    carry = h0[:, :0]
     for c, n in enumerate(cnt):
-        nxt = cnt[c + 1] if c + 1 < len(cnt) else 0
+        last = c + 1 == len(cnt)
+        nxt = after if last else cnt[c + 1]
         S, u = starts[:, offs[c]:offs[c] + n], U[:, offs[c]:offs[c] + n]
         # write straight into the next step's entering states when no sequence ends here
-        e = starts[:, offs[c + 1]:offs[c + 1] + n] if nxt == n else None
+        e = starts[:, offs[c + 1]:offs[c + 1] + n] if nxt == n and not last else None
         if decay is None:
             e = torch.add(u, S, out=e)
         else:
             e = torch.addcmul(u, decay[:, offs[c]:offs[c] + n], S, out=e)
+        if last:
+            carry = e[:, :nxt]
+        elif nxt < n and nxt:
+            starts[:, offs[c + 1]:offs[c + 1] + nxt] = e[:, :nxt]
         if nxt < n:
-            if nxt:
-                starts[:, offs[c + 1]:offs[c + 1] + nxt] = e[:, :nxt]
             finals.append(e[:, nxt:])
-    return starts, torch.cat(finals[::-1], 1)
+    return starts, torch.cat(finals[::-1], 1), carry
 
 
 def _recur_back(Qt, decay, dfin, cnt):
@@ -398,6 +417,10 @@ def recurrent_native(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, init
     B, T, H, Hk, K, V, N = plan.B, plan.T, plan.H, plan.Hk, plan.K, plan.V, plan.N
     L, out_dtype, dev = B * T, q.dtype, q.device
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    inputs = (q, k, v, g, gk, gv, g_gamma, initial_state)
+    graph = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+    if not graph and cu_seqlens is None and 0 < T <= STEP_T:
+        return _steps(plan, cd, *inputs)
     cu = tuple(b * T for b in range(B + 1)) if cu_seqlens is None else tuple(cu_seqlens.tolist())
     longest = max(e - s for s, e in zip(cu, cu[1:]))
     C = min(chunk_size, 1 << max(longest - 1, 0).bit_length())
@@ -411,6 +434,9 @@ def recurrent_native(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, init
         fin = torch.zeros(N, H, K, V, dtype=cd, device=dev) if initial_state is None \
             else initial_state.to(cd)
         return q.new_zeros(B, T, H, V) + zero.to(out_dtype), fin + zero.to(cd)
+
+    if not graph:
+        return _streamed(plan, tab, C, cd, *inputs)
 
     def chunks(x, scale=1.0):
         """[B,T,h,D] -> [h, M, C, D] in the compute dtype."""
@@ -439,6 +465,96 @@ def recurrent_native(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, init
     o, fin = _Chunked.apply(q, k, v, a, b, h0, tab["cnt"])
     o = _Relayout.apply(o, tab, C, False).view(B, T, H, V).to(out_dtype)
     return o, fin.index_select(1, tab["unorder"]).transpose(0, 1).contiguous()
+
+
+def _steps(plan, cd, q, k, v, g, gk, gv, g_gamma, initial_state):
+    """Decoding (a few tokens a row, no cu_seqlens, no autograd): the recurrence itself,
+    S <- e^{a_t} S e^{b_t} + k_t^T v_t and o_t = scale q_t S, one step a token on the
+    [B, H, K, V] state in place; no chunks, no tables."""
+    B, T, H, Hk, K, V = plan.B, plan.T, plan.H, plan.Hk, plan.K, plan.V
+    S = (initial_state.to(cd, copy=True) if initial_state is not None
+         else torch.zeros(B, H, K, V, dtype=cd, device=q.device))
+    o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
+    gam = None if g_gamma is None else g_gamma.to(cd).expand(B, H).unsqueeze(-1)
+    col = lambda x, t: x[:, t].to(cd)
+    for t in (reversed(range(T)) if plan.reverse else range(T)):
+        a = [col(g, t).unsqueeze(-1) if plan.g == "head" else col(g, t)] if g is not None else []
+        a += [col(gk, t)] if gk is not None else []
+        a += [gam] if gam is not None else []
+        if a:  # (views of the inputs: nothing here is in place but S)
+            S.mul_(functools.reduce(torch.add, a).exp().unsqueeze(-1))
+        if gv is not None:
+            S.mul_(col(gv, t).exp().unsqueeze(-2))
+        kt, vt = col(k, t), col(v, t)
+        if Hk != H:  # query head h reads kv head h // (H // Hk)
+            kt, vt = kt.repeat_interleave(H // Hk, 1), vt.repeat_interleave(H // Hk, 1)
+        S.view(B * H, K, V).baddbmm_(kt.reshape(B * H, K, 1), vt.reshape(B * H, 1, V))
+        o[:, t] = torch.matmul((col(q, t) * plan.scale).unsqueeze(-2), S).squeeze(-2).to(o.dtype)
+    return o, S
+
+
+def _streamed(plan, tab, C, cd, q, k, v, g, gk, gv, g_gamma, initial_state):
+    """recurrent_native without autograd, a slab of chunk steps at a time: the slab's
+    tokens are gathered straight from the inputs and its output written straight into
+    o, so besides o and the final states only one slab's inputs and temporaries (a few
+    tens of SLAB elements) are alive."""
+    B, T, H, Hk, K, V, N = plan.B, plan.T, plan.H, plan.Hk, plan.K, plan.V, plan.N
+    L, M, cnt, mask = B * T, tab["M"], tab["cnt"], tab["mask"]
+    offs = np.cumsum([0] + cnt).tolist()
+    tok = tab["tok"].view(M, C)
+    per_slot = H * C * max(K, V)
+    budget = min(SLAB, max(SLAB // 4, L * H * V // 16))
+    if plan.g == "head":
+        g = g.unsqueeze(-1)
+    gam = None
+    if g_gamma is not None:  # [H, 1] per head or [H, N] per sequence
+        gam = g_gamma.to(cd)
+        gam = gam[:, None] if gam.dim() == 1 else gam.t()
+    flat = lambda x: None if x is None else x.reshape(L, *x.shape[2:])
+    q, k, v, g, gk, gv = map(flat, (q, k, v, g, gk, gv))
+    o = torch.empty(L, H, V, dtype=q.dtype, device=q.device)
+    if initial_state is not None:  # [H, N, K, V] in rank order
+        state = initial_state.to(cd).transpose(0, 1).index_select(1, tab["order"])
+    else:
+        state = torch.zeros(H, N, K, V, dtype=cd, device=q.device)
+    finals, c0 = [], 0
+    while c0 < len(cnt):
+        c1 = c0 + 1  # as many steps as fit the budget, at least one
+        while c1 < len(cnt) and (offs[c1 + 1] - offs[c0]) * per_slot <= budget:
+            c1 += 1
+        r0, r1 = offs[c0], offs[c1]
+        idx, keep = tok[r0:r1].reshape(-1), None if mask is None else mask[r0:r1]
+
+        def chunks(x, scale=1.0):
+            """[L, h, D] -> this slab's [h, m, C, D] in the compute dtype, 0 at padding."""
+            y = x.index_select(0, idx).view(r1 - r0, C, *x.shape[1:]).permute(2, 0, 1, 3)
+            y = y.to(cd, memory_format=torch.contiguous_format, copy=True)
+            y = y.mul_(scale) if scale != 1.0 else y
+            return y if keep is None else y.mul_(keep)
+
+        cq, ck, cv = chunks(q, plan.scale), chunks(k), chunks(v)
+        if Hk != H:  # query head h reads kv head h // (H // Hk)
+            ck, cv = (x.unsqueeze(1).expand(Hk, H // Hk, *x.shape[1:]).flatten(0, 1)
+                      for x in (ck, cv))
+        parts = [chunks(x) for x in (g, gk) if x is not None]
+        if gam is not None:
+            gs = gam if gam.shape[1] == 1 else gam.index_select(1, tab["seq"][r0:r1])
+            gs = gs[..., None, None]
+            parts.append(gs * keep if keep is not None else gs.expand(H, r1 - r0, C, 1))
+        a = functools.reduce(torch.add, parts) if parts else None
+        after = cnt[c1] if c1 < len(cnt) else 0
+        y, fin, state, _, _ = _forward(cq, ck, cv, a, chunks(gv) if gv is not None else None,
+                                       state, cnt[c0:c1], after)
+        finals.append(fin)
+        y = y.permute(1, 2, 0, 3).reshape(-1, H, V).to(o.dtype)
+        if keep is None:
+            o.index_copy_(0, idx, y)
+        else:
+            sel = keep.reshape(-1)
+            o.index_copy_(0, idx[sel], y[sel])
+        c0 = c1
+    fin = torch.cat(finals[::-1], 1)  # rank order: each slab ends the sequences after it
+    return o.view(B, T, H, V), fin.index_select(1, tab["unorder"]).transpose(0, 1).contiguous()
 
 
 def recurrent_native_backward(plan, inputs, cu_seqlens, do, dfinal_state, chunk_size=64):

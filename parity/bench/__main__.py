@@ -164,11 +164,18 @@ def main(argv=None):
 
     ready = None if args.quick else readiness.run(settings.log)
     compiled = None if args.quick else compile_time.run(settings.log)
+    from . import decode, profile
+
+    decoded = None if args.quick else decode.run(settings.log)
+    stages = None if args.quick else profile.run(settings.log)
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, "results.json")
-    report.write_json(json_path, records, machine, checks, gpu_section, ready, compiled)
+    # the 8-device section has its own run (--multidevice): a full run keeps the stored one
+    multi = None if args.quick else _stored(args, "multidevice")
+    report.write_json(json_path, records, machine, checks, gpu_section, ready, compiled,
+                      decode=decoded, profile=stages, multidevice=multi)
     _write_outputs(args, records, impls, machine, checks, gpu_section, json_path, settings.log,
-                   ready)
+                   ready, compiled, multi, decode=decoded, profile=stages)
 
 
 def _run_groups(args, impls, log):
@@ -204,7 +211,8 @@ def _run_groups(args, impls, log):
 
 
 def _write_outputs(args, records, impls, machine, checks, gpu_section, json_path, log,
-                   readiness=None, compile_time=None, multidevice=None):
+                   readiness=None, compile_time=None, multidevice=None, decode=None,
+                   profile=None):
     from . import anchors, report
 
     os.makedirs(args.out, exist_ok=True)
@@ -217,7 +225,8 @@ def _write_outputs(args, records, impls, machine, checks, gpu_section, json_path
     with open(md_path, "w") as f:
         f.write(report.markdown(records, impls, anchors.BASELINES, machine, checks,
                                 [os.path.relpath(p, md_dir) for p in plots], gpu_section,
-                                readiness, compile_time, multidevice))
+                                readiness, compile_time, multidevice, decode=decode,
+                                profile=profile))
     log(f"wrote {md_path}, {json_path}" + "".join(f", {p}" for p in plots))
 
 
@@ -233,7 +242,8 @@ def render(args):
     impls = [i for i in anchors.cpu_impls() if i.name in names]
     _write_outputs(args, data["records"], impls, data["machine"], data["checks"],
                    data.get("gpu"), args.render, print, data.get("readiness"),
-                   data.get("compile_time"), data.get("multidevice"))
+                   data.get("compile_time"), data.get("multidevice"), decode=data.get("decode"),
+                   profile=data.get("profile"))
 
 
 def gpu_markdown(args, log):

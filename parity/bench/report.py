@@ -113,8 +113,8 @@ def targets(records, machine) -> list:
     for r in records:
         if tuple(r["shape"]) not in shapes:
             shapes.append(tuple(r["shape"]))
-    lines = [f"| target (CPU, fwd+bwd, T={t_target}) | " + " | ".join(str(s) for s in shapes)
-             + " |", "|---|" + "---|" * len(shapes)]
+    lines = [f"| target (CPU; fwd+bwd at T={t_target} unless the row says otherwise) | "
+             + " | ".join(str(s) for s in shapes) + " |", "|---|" + "---|" * len(shapes)]
 
     def get(shape, name):
         return idx.get((shape, "fwdbwd", t_target, name))
@@ -158,13 +158,79 @@ def targets(records, machine) -> list:
             ("jax-xla >= 30% of fp32 matmul rate", rate_of("jax-xla")),
             ("jax-xla peak memory >= 4x below ejkernel XLA packed",
              lambda s: verdict(_mem_ratio(get(s, "ejkernel XLA packed"), get(s, "jax-xla")), 4, _fmt))]
+    rows += _forward_rows(records, idx, t_target)
     for title, cell in rows:
         lines.append(f"| {title} | " + " | ".join(cell(s) for s in shapes) + " |")
     return lines
 
 
+# fwd+bwd peak memory (MiB) at T=4096 in the run before issue 19 (BENCHMARKS.md of
+# 2026-11-23): the issue asks for <= 0.6x of these
+FWDBWD_PEAK_BEFORE_MIB = {"torch-native": {(2, 8, 64, 64): 501, (1, 4, 128, 128): 273},
+                          "jax-xla": {(2, 8, 64, 64): 486, (1, 4, 128, 128): 303}}
+
+
+def _forward_rows(records, idx, t_target):
+    """Issue 19's targets: forward speed over every T >= 1024, forward memory without
+    gradients against output + final state, fwd+bwd memory against the run before."""
+
+    def fwd_speed(ours, anchor, goal):
+        def cell(s):
+            got = []
+            for r in records:
+                if (tuple(r["shape"]), r["mode"], r["impl"]) == (s, "fwd", ours) \
+                        and r["T"] >= 1024:
+                    x = _ratio(idx.get((s, "fwd", r["T"], anchor)), r)
+                    if x is not None:
+                        got.append((x, r["T"]))
+            if not got:
+                return "not measured"
+            x, T = min(got)
+            every = ", ".join(_fmt(y) for y, _ in sorted(got, key=lambda p: p[1]))
+            return (f"lowest {_fmt(x)} (T={T}; T >= 1024: {every}) "
+                    f"({'met' if x >= goal else 'NOT met'})")
+        return cell
+
+    def fwd_memory(name):
+        def cell(s):
+            r = idx.get((s, "fwd", t_target, name))
+            if r is None or not r.get("peak_bytes"):
+                return "not measured"
+            B, H, K, V = s
+            floor = 4 * (B * t_target * H * V + B * H * K * V)  # output + final state, fp32
+            x = r["peak_bytes"] / floor
+            return f"{_mib(r)} MiB = {x:.2f}x ({'met' if x <= 3 else 'NOT met'})"
+        return cell
+
+    def fwdbwd_memory(name):
+        def cell(s):
+            r = idx.get((s, "fwdbwd", t_target, name))
+            before = FWDBWD_PEAK_BEFORE_MIB.get(name, {}).get(s)
+            if r is None or not r.get("peak_bytes") or before is None or t_target != TARGET_AT:
+                return "not measured"
+            x = r["peak_bytes"] / 2 ** 20 / before
+            return f"{_mib(r)} MiB = {x:.2f}x of {before} ({'met' if x <= 0.6 else 'NOT met'})"
+        return cell
+
+    return [
+        ("jax-xla forward >= 1.5x faster than lax.scan at every T >= 1024",
+         fwd_speed("jax-xla", "lax.scan", 1.5)),
+        ("jax-xla forward >= 1.0x ejkernel XLA (default forward) at every T >= 1024",
+         fwd_speed("jax-xla", "ejkernel XLA", 1.0)),
+        (f"torch-native forward peak memory (no gradients) <= 3x output + final state, "
+         f"T={t_target}", fwd_memory("torch-native")),
+        (f"jax-xla forward peak memory (no gradients) <= 3x output + final state, "
+         f"T={t_target}", fwd_memory("jax-xla")),
+        (f"torch-native fwd+bwd peak memory <= 0.6x the run before issue 19, T={t_target}",
+         fwdbwd_memory("torch-native")),
+        (f"jax-xla fwd+bwd peak memory <= 0.6x the run before issue 19, T={t_target}",
+         fwdbwd_memory("jax-xla")),
+    ]
+
+
 def markdown(records, impls, baselines, machine, checks, plots=(), gpu=None,
-             readiness=None, compile_time=None, multidevice=None) -> str:
+             readiness=None, compile_time=None, multidevice=None, decode=None,
+             profile=None) -> str:
     """The whole BENCHMARKS.md."""
     m = machine
     lines = ["# Benchmarks", "",
@@ -211,6 +277,11 @@ def markdown(records, impls, baselines, machine, checks, plots=(), gpu=None,
     lines += ["## CPU results", ""] + shape_tables(records, impls, baselines, m)
     for p in plots:
         lines += [f"![{os.path.basename(p)}]({p})", ""]
+    from .decode import section as decode_section
+    from .profile import section as profile_section
+
+    lines += ["## Decode (CPU)", "", decode_section(decode), ""]
+    lines += ["## Where the forward's time goes (CPU)", "", profile_section(profile), ""]
     from .readiness import section, tpu_section
 
     lines += ["## GPU readiness (compiled, not run)", "", section(readiness), ""]
@@ -230,10 +301,12 @@ def markdown(records, impls, baselines, machine, checks, plots=(), gpu=None,
     return "\n".join(lines)
 
 
-def write_json(path, records, machine, checks, gpu=None, readiness=None, compile_time=None):
+def write_json(path, records, machine, checks, gpu=None, readiness=None, compile_time=None,
+               decode=None, profile=None, multidevice=None):
     with open(path, "w") as f:
         json.dump({"machine": machine, "checks": checks, "records": records, "gpu": gpu,
-                   "readiness": readiness, "compile_time": compile_time}, f, indent=1)
+                   "readiness": readiness, "compile_time": compile_time, "decode": decode,
+                   "profile": profile, "multidevice": multidevice}, f, indent=1)
 
 
 def plot(records, impls, out_dir) -> list:
