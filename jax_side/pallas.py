@@ -45,7 +45,7 @@ from jax.experimental.pallas import tpu as pltpu
 from . import pallas_kernels as pk
 from . import sharding
 from .sharding import struct, vary_all
-from .xla import _Layout
+from .chunk_layout import Layout
 
 CHUNK = pk.C
 LANE = 128
@@ -277,7 +277,7 @@ def _backward(cfg, tabs, q, k, v, a, b, h0, hs, do, dfin):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _core(cfg, tabs, q, k, v, a, b, h0):
-    """Chunked inputs (see _Layout) -> (o [S,R,H,C,V] in q's dtype, final state [N,H,K,V]).
+    """Chunked inputs (see Layout) -> (o [S,R,H,C,V] in q's dtype, final state [N,H,K,V]).
     cfg = (query heads per kv head, softmax scale, interpret)."""
     o, fin = _forward(cfg, tabs, q, k, v, a, b, h0)
     return o, _keep_empty(tabs, h0, fin)
@@ -346,7 +346,7 @@ def recurrent_pallas(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, init
     Returns o [B,T,H,V] in q's dtype and the float32 final state [N,H,K,V].
     """
     H, K, V, N, C = plan.H, plan.K, plan.V, plan.N, CHUNK
-    lay = _Layout(plan, cu_seqlens, C)
+    lay = Layout(plan, cu_seqlens, C)
     f = lambda x: jnp.asarray(x).astype(F32)
     low = lambda x: jnp.asarray(x) if jnp.asarray(x).dtype in (jnp.bfloat16, jnp.float16) else f(x)
 

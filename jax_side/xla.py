@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .xla_decay import SUB, _level, _local, _rowdot, _spans
+from .chunk_layout import Layout
+from .xla_decay import SUB, level, local, rowdot, spans
 from .xla_intra import forward_p, key_intra, tree_p
 
 # The forward-only scan (`streamed`): its chunk (at most the caller's chunk_size; 32 ran
@@ -35,75 +36,6 @@ from .xla_intra import forward_p, key_intra, tree_p
 STREAM_CHUNK = 32
 SLAB_TOKENS = 256
 STEP_T = 4  # at most this many tokens a row (decoding) run step by step, without chunks
-
-
-class _Layout:
-    """Maps tokens [B, T, H, D] to chunk slots [S, R, H, C, D] and back.
-
-    Batched (R = B rows, one sequence each, S = ceil(T/C) slots): pad + reshape,
-    flipped in time for reverse. Varlen (R = 1): a gather through a table built
-    from the (possibly traced) cu_seqlens with static size
-    S = (L + N*(C-1)) // C >= sum_i ceil(len_i / C); a padding position reads
-    an appended zero token. Also gives per slot: `valid` [S,R,1,C,1],
-    `first` [S,R] (a sequence starts here), `seq` [S,R] (its sequence), and per
-    sequence `last` = (slot, row) of its last chunk and `empty` (length 0).
-    """
-
-    def __init__(self, plan, cu_seqlens, C):
-        self.C, self.varlen, self.reverse = C, plan.varlen, plan.reverse
-        L, N = plan.T, plan.N
-        if not plan.varlen:
-            self.T, self.R, self.S = L, plan.B, max(1, -(-L // C))
-            pos = np.arange(self.S * C).reshape(self.S, 1, 1, C, 1)
-            self.valid = jnp.asarray(pos < L)
-            self.seq = jnp.broadcast_to(jnp.arange(self.R, dtype=jnp.int32), (self.S, self.R))
-            self.first = jnp.asarray(np.arange(self.S)[:, None] == 0)
-            self.last = (jnp.full((N,), self.S - 1), jnp.arange(N))
-            self.empty = None  # T == 0 leaves the state untouched anyway
-            return
-        self.T, self.R, self.S = L, 1, max(1, (L + N * (C - 1)) // C)
-        cu = cu_seqlens.astype(jnp.int32)
-        lens = cu[1:] - cu[:-1]
-        ends = jnp.cumsum((lens + C - 1) // C)  # one past each sequence's last slot
-        starts = ends - (lens + C - 1) // C
-        slot = jnp.arange(self.S, dtype=jnp.int32)
-        seq = jnp.searchsorted(ends, slot, side="right").astype(jnp.int32)
-        used, seq = seq < N, jnp.minimum(seq, N - 1)
-        j = slot - starts[seq]
-        p = j[:, None] * C + jnp.arange(C, dtype=jnp.int32)  # position inside the sequence
-        valid = used[:, None] & (p < lens[seq, None])
-        tok = cu[seq, None] + (lens[seq, None] - 1 - p if plan.reverse else p)
-        self.idx = jnp.where(valid, tok, L).reshape(-1)
-        self.valid = valid.reshape(self.S, 1, 1, C, 1)
-        self.seq, self.first = seq[:, None], (used & (j == 0))[:, None]
-        self.last = (jnp.maximum(ends - 1, 0), jnp.zeros((N,), jnp.int32))
-        self.empty = lens == 0
-        # inverse map: token -> flat (slot, position) index
-        t = jnp.arange(L, dtype=jnp.int32)
-        n = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)
-        p = (cu[n + 1] - 1 - t) if plan.reverse else (t - cu[n])
-        self.inv = (starts[n] + p // C) * C + p % C
-
-    def chunks(self, x):
-        """[B, T, H, D] -> [S, R, H, C, D]."""
-        S, C = self.S, self.C
-        if self.varlen:
-            x = jnp.concatenate([x[0], jnp.zeros((1, *x.shape[2:]), x.dtype)])
-            x = jnp.take(x, self.idx, axis=0, mode="clip").reshape(S, C, 1, *x.shape[1:])
-            return x.transpose(0, 2, 3, 1, 4)
-        if self.reverse:
-            x = jnp.flip(x, 1)
-        x = jnp.pad(x, ((0, 0), (0, S * C - self.T), (0, 0), (0, 0)))
-        return x.reshape(x.shape[0], S, C, *x.shape[2:]).transpose(1, 0, 3, 2, 4)
-
-    def tokens(self, y):
-        """[S, R, H, C, D] -> [B, T, H, D]."""
-        S, R, H, C, D = y.shape
-        if self.varlen:
-            y = y.transpose(0, 1, 3, 2, 4).reshape(S * C, H, D)
-            return jnp.take(y, self.inv, axis=0, mode="clip")[None]
-        y = y.transpose(1, 0, 3, 2, 4).reshape(R, S * C, H, D)[:, :self.T]
-        return jnp.flip(y, 1) if self.reverse else y
 
 
 def _scalar_intra(q, k, v, alpha, beta, tau):
@@ -147,7 +79,7 @@ def _intra(q, k, v, a, b):
     no pairwise exponentials are needed; blocks of h >= 4 are batched matmuls.
     """
     Z, C, K = q.shape
-    ka, va = _local(a), None if b is None else _local(b)
+    ka, va = local(a), None if b is None else local(b)
     if a.shape[-1] == 1 and b is None:
         return _scalar_intra(q, k, v, *ka), ka, va
     if b is None:
@@ -156,18 +88,18 @@ def _intra(q, k, v, a, b):
         if q.dtype == jnp.float32:
             return key_intra(q, k, v, a), ka, va
         return tree_p(q, k, ka) @ v, ka, va
-    o = _rowdot(q, k)[..., None] * v
+    o = rowdot(q, k)[..., None] * v
     h = 1
     while h < C:
         n = C // (2 * h)
         seg = lambda x: x.reshape(Z, n, 2, h, x.shape[-1])
-        eq, ek = _level(*ka, h)
+        eq, ek = level(*ka, h)
         qf, kf = seg(q)[:, :, 1] * jnp.exp(eq), seg(k)[:, :, 0] * jnp.exp(ek)
         if h >= 4:
             cross = jnp.einsum("znik,znjk->znij", qf, kf)
         else:  # too small for a matmul
-            cross = _rowdot(qf[:, :, :, None, :], kf[:, :, None, :, :])
-        fq, fk = _level(*va, h)
+            cross = rowdot(qf[:, :, :, None, :], kf[:, :, None, :, :])
+        fq, fk = level(*va, h)
         vf = seg(v)[:, :, 0] * jnp.exp(fk)
         c = jnp.einsum("znij,znjv->zniv", cross, vf) * jnp.exp(fq)
         o = o + jnp.stack([jnp.zeros_like(c), c], 2).reshape(o.shape)
@@ -192,7 +124,7 @@ def recurrent_xla(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial
     if not plan.varlen and has_custom_vjp(plan):
         return _streamed_or_batched(plan, (q, k, v, g, gk, gv, g_gamma, initial_state),
                                     chunk_size)
-    return _batched(plan, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, chunk_size)
+    return all_chunks(plan, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, chunk_size)
 
 
 def stepwise(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial_state=None):
@@ -228,7 +160,7 @@ def stepwise(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial_stat
 
 def _streamed_or_batched(plan, inputs, C):
     """The value from `streamed` (one chunk at a time: no full-size temporaries), the
-    derivative from `_batched` (all chunks at once, its residuals kept for the backward).
+    derivative from `all_chunks` (all chunks at once, its residuals kept for the backward).
     Only where the derivative is a custom VJP anyway (no forward mode is lost)."""
     present = [i for i, x in enumerate(inputs) if x is not None]
 
@@ -243,7 +175,7 @@ def _streamed_or_batched(plan, inputs, C):
         return streamed(plan, *full(xs), chunk_size=C)
 
     def fwd(*xs):
-        out, vjp = jax.vjp(lambda *ys: _batched(plan, *full(ys), None, C), *xs)
+        out, vjp = jax.vjp(lambda *ys: all_chunks(plan, *full(ys), None, C), *xs)
         return out, vjp  # a pytree (jax.tree_util.Partial) of the residuals
 
     run.defvjp(fwd, lambda vjp, ct: vjp(ct))
@@ -303,9 +235,9 @@ def streamed(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial_stat
             a.append(jnp.broadcast_to(gam * (pos < T), (B, H, n, C, 1)))
         a = sum(a[1:], a[0])
         cq, ck, cv, a = (x.reshape(B * H * n, C, x.shape[-1]) for x in (cq, ck, cv, a))
-        ka = _local(a)  # as _chunk_terms, without a backward to prepare for
+        ka = local(a)  # as _chunk_terms, without a backward to prepare for
         o = forward_p(cq, ck, ka) @ cv
-        into, after = _spans(*ka, C)
+        into, after = spans(*ka, C)
         q_in, dA = cq * jnp.exp(into), jnp.exp(jnp.sum(ka[2], 1))
         u = jnp.einsum("zck,zcv->zkv", ck * jnp.exp(after), cv)
         dA, u = dA.reshape(B * H, n, K, 1), u.reshape(B * H, n, K, V)
@@ -325,11 +257,11 @@ def streamed(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial_stat
     return (o[:, S * W - T:] if plan.reverse else o[:, :T]), fin
 
 
-def _batched(plan, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, chunk_size):
+def all_chunks(plan, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, chunk_size):
     """recurrent_xla on all chunks at once (see the module docstring)."""
     ct = jnp.float64 if plan.dtype == "float64" else jnp.float32  # accumulation dtype
     H, K, V, N, G = plan.H, plan.K, plan.V, plan.N, plan.group
-    lay = _Layout(plan, cu_seqlens, chunk_size)
+    lay = Layout(plan, cu_seqlens, chunk_size)
     f = lambda x: jnp.asarray(x).astype(ct)
     heads = lambda x: jnp.repeat(f(x), G, axis=2) if G > 1 else f(x)  # kv head h // G
 
@@ -388,11 +320,11 @@ def _chunk_terms(q, k, v, a, b):
     from the incoming state S: (q_in @ S) * out_v."""
     C = q.shape[1]
     o, ka, va = _intra(q, k, v, a, b)
-    into, out = _spans(*ka, C)
+    into, out = spans(*ka, C)
     q_in, k_up, dA = q * jnp.exp(into), k * jnp.exp(out), jnp.exp(jnp.sum(ka[2], 1))
     out_v = dB = None
     if b is not None:
-        into, out = _spans(*va, C)
+        into, out = spans(*va, C)
         out_v, v, dB = jnp.exp(into), v * jnp.exp(out), jnp.exp(jnp.sum(va[2], 1))
     u = jnp.einsum("zck,zcv->zkv", k_up, v)
     return o, dA, dB, u, q_in, out_v

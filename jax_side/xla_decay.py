@@ -13,7 +13,7 @@ from jax import lax
 SUB = 16  # sub-chunk width: the span of in-block cumulative log-gate sums
 
 
-def _local(a):
+def local(a):
     """In-block sums of log gates, a [Z, C, D] -> (alpha, beta, tau): alpha [Z,C,D]
     from the 16-block's start through t, beta [Z,C,D] from after t to the block's
     end (its own suffix scan, so nothing cancels), tau [Z, C/16, D] block totals."""
@@ -26,7 +26,7 @@ def _local(a):
     return alpha.reshape(Z, C, D), beta.reshape(Z, C, D), alpha[:, :, -1]
 
 
-def _spans(alpha, beta, tau, w):
+def spans(alpha, beta, tau, w):
     """Log decay from the start of t's aligned w-segment through t (into), and from
     after t to that segment's end (out), both [Z, C, D], w a multiple of 16:
     in-block sums plus whole 16-blocks, all terms <= 0 for gates <= 0."""
@@ -42,7 +42,7 @@ def _spans(alpha, beta, tau, w):
     return into.reshape(Z, C, D), out.reshape(Z, C, D)
 
 
-def _level(alpha, beta, tau, h):
+def level(alpha, beta, tau, h):
     """Exponents for the cross block of every 2h-segment at half-width h: the right
     half from its start through t [Z, C/2h, h, D] and the left half from after s
     to its end [Z, C/2h, h, D], referenced at the midpoint, so both are <= 0."""
@@ -52,11 +52,11 @@ def _level(alpha, beta, tau, h):
         al = seg(alpha)
         mid = al[:, :, 0, -1:]
         return al[:, :, 1] - mid, mid - al[:, :, 0]
-    into, out = _spans(alpha, beta, tau, h)
+    into, out = spans(alpha, beta, tau, h)
     return seg(into)[:, :, 1], seg(out)[:, :, 0]
 
 
-def _rowdot(x, y):
+def rowdot(x, y):
     """sum(x * y, -1) with broadcasting, as a matrix-vector product: XLA CPU
     runs minor-dim reductions about 3x slower than this dot."""
     return (x * y) @ jnp.ones((x.shape[-1],), x.dtype)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .xla_decay import SUB, _level, _local, _rowdot
+from .xla_decay import SUB, level, local, rowdot
 
 
 UNROLL = 4  # blocks narrower than this are unrolled products, not batched dots
@@ -33,22 +33,22 @@ LIMIT = 30.0
 
 def tree_p(q, k, ka, scales=None):
     """The lower-triangular in-chunk weights P [Z, C, C] (diagonal included);
-    ka = _local(a) for the key-side gates a [Z, C, K]. `scales`, a list, collects
+    ka = local(a) for the key-side gates a [Z, C, K]. `scales`, a list, collects
     each level's factors (e^eq [Z,C/2h,h,K], e^ek [Z,C/2h,h,K]) for the backward."""
     Z, C, K = q.shape
-    p = _rowdot(q, k)[:, :, None, None]  # assembled blocks [Z, C/2h, 2h, 2h]
+    p = rowdot(q, k)[:, :, None, None]  # assembled blocks [Z, C/2h, 2h, 2h]
     h = 1
     while h < C:
         n = C // (2 * h)
         seg = lambda x: x.reshape(Z, n, 2, h, x.shape[-1])
-        e_q, e_k = (jnp.exp(e) for e in _level(*ka, h))
+        e_q, e_k = (jnp.exp(e) for e in level(*ka, h))
         if scales is not None:
             scales.append((e_q, e_k))
         qf, kf = seg(q)[:, :, 1] * e_q, seg(k)[:, :, 0] * e_k
         if h >= UNROLL:
             cross = jnp.einsum("znik,znjk->znij", qf, kf)
         else:  # too small for a matmul
-            cross = _rowdot(qf[:, :, :, None, :], kf[:, :, None, :, :])
+            cross = rowdot(qf[:, :, :, None, :], kf[:, :, None, :, :])
         ch = p.reshape(Z, n, 2, h, h)
         p = jnp.concatenate([jnp.concatenate([ch[:, :, 0], jnp.zeros_like(cross)], -1),
                              jnp.concatenate([cross, ch[:, :, 1]], -1)], -2)
@@ -98,14 +98,14 @@ def forward_p(q, k, ka):
 @jax.custom_vjp
 def key_intra(q, k, v, a):
     """In-chunk output [Z, C, V] for q, k [Z,C,K], v [Z,C,V], a [Z,C,K]."""
-    return forward_p(q, k, _local(a)) @ v
+    return forward_p(q, k, local(a)) @ v
 
 
 def _fwd(q, k, v, a):
     # the level factors are kept (one [Z,C,K] array a level): recomputing them
     # costs an exp pass a level plus the in-block sums
     scales = []
-    p = tree_p(q, k, _local(a), scales)
+    p = tree_p(q, k, local(a), scales)
     return p @ v, (q, k, v, p, scales)
 
 

@@ -101,7 +101,7 @@ def run_torch(name, P, seed, out_path):
 
 # --------------------------------------------------------------------------- JAX
 
-def _jax_child(name, P, seed, out_path):
+def jax_child(name, P, seed, out_path):
     """Runs in a process started with P host devices."""
     import jax
     import jax.numpy as jnp
@@ -137,8 +137,8 @@ def _jax_child(name, P, seed, out_path):
 def run_jax(name, P, seed, out_path):
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={P}",
                JAX_PLATFORMS="cpu")
-    code = (f"from parity.multi_device import _jax_child; "
-            f"_jax_child({name!r}, {P}, {seed}, {out_path!r})")
+    code = (f"from parity.multi_device import jax_child; "
+            f"jax_child({name!r}, {P}, {seed}, {out_path!r})")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
                           text=True, timeout=TIMEOUT_S)

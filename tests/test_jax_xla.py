@@ -12,66 +12,15 @@ import jax.numpy as jnp  # noqa: E402
 
 from bridge.contract import check  # noqa: E402
 from jax_side.xla import recurrent_xla  # noqa: E402
+from jax_cases import NAMES, make, run  # noqa: E402
 from parity.oracle import recurrent, recurrent_grads  # noqa: E402
 
-NAMES = ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state")
 FP32_TOL = 1e-5  # relative norm; a step-by-step float32 scan lands around 1e-7..1e-6
-
-
-def make(seed=0, B=2, T=40, H=2, Hk=None, K=8, V=8, g=None, gk=False, gv=False, gamma=None,
-         h0=False, seqlens=None, strength=1.0):
-    """Random inputs (float32 numpy) for one case; gates are log-sigmoids <= 0."""
-    rng = np.random.default_rng(seed)
-    Hk = Hk or H
-    if seqlens is not None:
-        B, T = 1, sum(seqlens)
-    N = B if seqlens is None else len(seqlens)
-    f32 = lambda *s: rng.standard_normal(s).astype(np.float32)
-    gate = lambda *s: (strength * -np.logaddexp(0, -(rng.standard_normal(s) + 1.5))).astype(np.float32)
-    x = dict(q=f32(B, T, H, K), k=f32(B, T, Hk, K), v=f32(B, T, Hk, V))
-    if g == "head":
-        x["g"] = gate(B, T, H)
-    elif g == "key":
-        x["g"] = gate(B, T, H, K)
-    if gk:
-        x["gk"] = gate(B, T, H, K)
-    if gv:
-        x["gv"] = gate(B, T, H, V)
-    if gamma == "head":
-        x["g_gamma"] = (-strength * rng.uniform(0.01, 1.0, H)).astype(np.float32)
-    elif gamma == "seq":
-        x["g_gamma"] = (-strength * rng.uniform(0.01, 1.0, (N, H))).astype(np.float32)
-    if h0:
-        x["initial_state"] = f32(N, H, K, V)
-    cu = None if seqlens is None else np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32)
-    cot = dict(do=f32(B, T, H, V), dfinal_state=f32(N, H, K, V))
-    return x, cu, cot
 
 
 def xla_run(x, cu=None, reverse=False, dtype=jnp.float32, chunk_size=64, cot=None, jit=True):
     """(o, final_state, grads) from the XLA path; activations cast to `dtype`."""
-    names = [n for n in NAMES if n in x]
-    arrs = [jnp.asarray(x[n], dtype if n in ("q", "k", "v") else None) for n in names]
-    cu_j = None if cu is None else jnp.asarray(cu)
-    plan = check(*arrs[:3], **dict(zip(names[3:], arrs[3:])), reverse=reverse,
-                 cu_seqlens=None if cu is None else np.asarray(cu))
-
-    def f(*a):
-        return recurrent_xla(plan, *a[:3], **dict(zip(names[3:], a[3:])), cu_seqlens=cu_j,
-                             chunk_size=chunk_size)
-
-    if cot is None:
-        o, fs = (jax.jit(f) if jit else f)(*arrs)
-        return o, fs, None
-
-    def loss(*a):
-        o, fs = f(*a)
-        return (jnp.sum(o.astype(jnp.float32) * cot["do"])
-                + jnp.sum(fs * cot["dfinal_state"])), (o, fs)
-
-    vg = jax.value_and_grad(loss, range(len(arrs)), has_aux=True)
-    (_, (o, fs)), grads = (jax.jit(vg) if jit else vg)(*arrs)
-    return o, fs, dict(zip(names, grads))
+    return run(recurrent_xla, x, cu, reverse, dtype, cot, jit=jit, chunk_size=chunk_size)
 
 
 def oracle_run(x, cu=None, reverse=False, cot=None, round_to=None):
@@ -270,7 +219,7 @@ def test_key_intra_vjp_finite_differences(x64):
     JAX autodiff of the same tree, with mild and strong gates."""
     from jax.test_util import check_grads
 
-    from jax_side.xla_decay import _local
+    from jax_side.xla_decay import local
     from jax_side.xla_intra import key_intra, tree_p
 
     rng = np.random.default_rng(3)
@@ -282,7 +231,7 @@ def test_key_intra_vjp_finite_differences(x64):
         check_grads(key_intra, (q, k, v, a), order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
         do = jnp.asarray(rng.standard_normal((Z, C, V)))
         mine = jax.grad(lambda *x: jnp.sum(key_intra(*x) * do), range(4))(q, k, v, a)
-        auto = jax.grad(lambda q, k, v, a: jnp.sum((tree_p(q, k, _local(a)) @ v) * do),
+        auto = jax.grad(lambda q, k, v, a: jnp.sum((tree_p(q, k, local(a)) @ v) * do),
                         range(4))(q, k, v, a)
         for m, w in zip(mine, auto):
             assert rel(m, w) < 1e-12
@@ -368,14 +317,14 @@ def test_forward_memory_is_output_plus_a_slab():
     """Compiled temporaries (XLA's memory analysis) of an undifferentiated forward: with
     its output under 3x the output (the issue-19 bound); the all-chunks forward it
     replaces needs many times more."""
-    from jax_side.xla import _batched
+    from jax_side.xla import all_chunks
 
     x, _, _ = make(B=1, T=4096, H=2, K=32, V=32, g="key")
     arrs = [jnp.asarray(x[n]) for n in ("q", "k", "v", "g")]
     plan = check(*arrs)
     temp = lambda f: jax.jit(f).lower(*arrs).compile().memory_analysis().temp_size_in_bytes
     ours = temp(lambda q, k, v, g: recurrent_xla(plan, q, k, v, g=g))
-    every_chunk = temp(lambda q, k, v, g: _batched(plan, q, k, v, g, None, None, None, None,
+    every_chunk = temp(lambda q, k, v, g: all_chunks(plan, q, k, v, g, None, None, None, None,
                                                    None, 64))
     out = 4096 * 2 * 32 * 4
     assert ours + out <= 3 * out and every_chunk >= 8 * out, (ours, every_chunk)

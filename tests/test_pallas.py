@@ -10,7 +10,7 @@ jax = pytest.importorskip("jax")
 
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_cases import errors, make  # noqa: E402
+from jax_cases import errors, make  # noqa: E402
 from parity.compare import TOLERANCE  # noqa: E402
 
 

@@ -15,7 +15,7 @@ from jax_side.pallas import recurrent_pallas  # noqa: E402
 from jax_side.xla import recurrent_xla  # noqa: E402
 from parity.compare import TOLERANCE, rel_err  # noqa: E402
 from parity.oracle import recurrent, recurrent_grads  # noqa: E402
-from pallas_cases import NAMES, errors, make, run  # noqa: E402
+from jax_cases import NAMES, errors, make, run  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])

@@ -47,11 +47,11 @@ def jax_stages(shape, T):
     layout = jax.jit(lambda x: x.reshape(B, S, C, H, x.shape[-1]).transpose(1, 0, 3, 2, 4)
                      .reshape(-1, C, x.shape[-1]))
     cq, ck, cv, cg = (jax.block_until_ready(layout(x)) for x in (q, k, v, g))
-    ka = jax.block_until_ready(jax.jit(xla_decay._local)(cg))
+    ka = jax.block_until_ready(jax.jit(xla_decay.local)(cg))
     p = jax.block_until_ready(jax.jit(xla_intra.tree_p)(cq, ck, ka))
 
     def decays(q, k, ka):
-        into, out = xla_decay._spans(*ka, C)
+        into, out = xla_decay.spans(*ka, C)
         return q * jnp.exp(into), k * jnp.exp(out), jnp.exp(jnp.sum(ka[2], 1))
 
     q_in, k_up, dA = jax.block_until_ready(jax.jit(decays)(cq, ck, ka))
@@ -68,7 +68,7 @@ def jax_stages(shape, T):
     rows = [
         ("relayout of q, k, v, g into 64-token chunks (4 arrays)",
          sum(_time(layout, x, block=block) for x in (q, k, v, g))),
-        ("in-block log-gate sums (16-token blocks)", _time(jax.jit(xla_decay._local), cg, block=block)),
+        ("in-block log-gate sums (16-token blocks)", _time(jax.jit(xla_decay.local), cg, block=block)),
         ("in-chunk weights P [C,C]: the binary tree (before; still the differentiated path)",
          _time(jax.jit(xla_intra.tree_p), cq, ck, ka, block=block)),
         ("in-chunk weights P [C,C]: one pass over 16-blocks (after)",
@@ -82,7 +82,7 @@ def jax_stages(shape, T):
         ("inter-chunk output q S", _time(jax.jit(lambda q, s: jnp.einsum("zck,zkv->zcv", q, s)),
                                          q_in, starts, block=block)),
         ("whole forward, all chunks at once (before)",
-         _time(jax.jit(lambda *x: xla._batched(plan, *x, None, None, None, None, None, C)),
+         _time(jax.jit(lambda *x: xla.all_chunks(plan, *x, None, None, None, None, None, C)),
                q, k, v, g, block=block)),
         ("whole forward, streamed slabs (after)",
          _time(jax.jit(lambda *x: xla.streamed(plan, *x)), q, k, v, g, block=block)),
