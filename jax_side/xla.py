@@ -28,6 +28,7 @@ import numpy as np
 from jax import lax
 
 from .chunk_layout import Layout
+from .sharding import vary, varying
 from .xla_decay import SUB, level, local, rowdot, spans
 from .xla_intra import forward_p, key_intra, tree_p
 
@@ -213,7 +214,8 @@ def streamed(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial_stat
     # the chunk scan's initial carry: the state [B, H, K, V] and the output buffer
     h0 = (jnp.asarray(initial_state, ct) if plan.initial_state
           else jnp.zeros((B, H, K, V), ct))
-    o0 = jnp.zeros((B, S * W, H, V), plan.dtype)
+    # inside shard_map (check_vma) the buffer the scan writes into varies like the inputs
+    o0 = vary(jnp.zeros((B, S * W, H, V), plan.dtype), varying(h0, *seqs))
 
     def start(c):  # first token of step c's slab in the (padded) token layout
         return (S - 1 - c if plan.reverse else c) * W
