@@ -288,3 +288,16 @@ def test_forward_targets_rows():
     assert "lowest 1.20x (T=4096; T >= 1024: 2.00x, 1.20x) (NOT met)" in text
     assert "jax-xla forward peak memory (no gradients) <= 3x output + final state, T=4096 | " \
            "0.09 MiB = 3.00x (met)" in text
+
+
+def test_profile_runs_in_both_frameworks():
+    """The per-stage profile's children run on the current code (a full bench run is
+    the only other caller) and the section renders every stage they timed."""
+    from parity.bench import profile
+
+    tables = profile.run(log=lambda *_: None, quick=True)
+    assert [t["framework"] for t in tables] == ["torch", "jax"]
+    text = profile.section(tables)
+    for t in tables:
+        assert t["rows"] and all(x > 0 for _, x in t["rows"]), t
+        assert all(name in text for name, _ in t["rows"])

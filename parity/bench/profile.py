@@ -42,7 +42,7 @@ def jax_stages(shape, T):
     B, H, K, V = shape
     a = verify.inputs(B, T, H, K, V, seed=1)
     q, k, v, g = (jnp.asarray(a[n]) for n in ("q", "k", "v", "g"))
-    plan = check(q, k, v, g)
+    plan = check(q, k, v, g=g)
     S = T // C
     layout = jax.jit(lambda x: x.reshape(B, S, C, H, x.shape[-1]).transpose(1, 0, 3, 2, 4)
                      .reshape(-1, C, x.shape[-1]))
@@ -102,7 +102,7 @@ def torch_stages(shape, T, top=6):
     B, H, K, V = shape
     a = verify.inputs(B, T, H, K, V, seed=1)
     ins = [torch.from_numpy(a[n]) for n in ("q", "k", "v", "g")]
-    plan = check(*ins)
+    plan = check(*ins[:3], g=ins[3])
 
     def keeping():  # the autograd path: keeps what its backward reads
         leaves = [x.detach().requires_grad_() for x in ins]
