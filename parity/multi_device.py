@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -88,8 +89,6 @@ def run_torch(name, P, seed, out_path):
         ctx = mp.start_processes(_torch_rank, args=(P, os.path.join(tmp, "rdv"), name, seed,
                                                     out_path),
                                  nprocs=P, join=False, start_method="spawn")
-        import time
-
         deadline = time.monotonic() + TIMEOUT_S
         while not ctx.join(timeout=2):
             if time.monotonic() > deadline:
