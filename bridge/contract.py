@@ -58,8 +58,21 @@ def dtype_name(x) -> str:
     return str(x.dtype).replace("torch.", "")
 
 
+class ShapeOnly:
+    """An array whose values this check must not read: a torch tensor traced by
+    torch.compile or a torch.func transform, or offsets another check covers. It keeps
+    the shape, dtype, device and framework; `known_values` gives None, as for a JAX
+    tracer (SPEC: cu_seqlens values are checked when known)."""
+
+    def __init__(self, x):
+        self.shape, self.dtype = tuple(x.shape), x.dtype
+        self.device, self.framework = _device(x), _framework(x)
+
+
 def _device(x):
     """A comparable device label, or None where none applies (numpy) or can be known (tracers)."""
+    if isinstance(x, ShapeOnly):
+        return x.device
     if isinstance(x, np.ndarray):
         return None
     if type(x).__module__.startswith("torch"):
@@ -72,6 +85,8 @@ def _device(x):
 
 def _framework(x) -> str:
     """'torch', 'numpy' or 'jax' (anything else with a shape and dtype counts as jax)."""
+    if isinstance(x, ShapeOnly):
+        return x.framework
     if isinstance(x, np.ndarray):
         return "numpy"
     return "torch" if type(x).__module__.startswith("torch") else "jax"
@@ -79,6 +94,8 @@ def _framework(x) -> str:
 
 def known_values(x):
     """The values of `x` as a numpy array, or None while they are traced."""
+    if isinstance(x, ShapeOnly):
+        return None
     if isinstance(x, np.ndarray):
         return x
     if type(x).__module__.startswith("torch"):
@@ -151,21 +168,11 @@ def check(q, k, v, *, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None
 
     N = B
     if varlen:
-        if not hasattr(cu_seqlens, "shape") or not hasattr(cu_seqlens, "dtype"):
-            raise TypeError(f"cu_seqlens: expected a 1-d integer array or tensor, "
-                            f"got {type(cu_seqlens).__name__}")
-        if dtype_name(cu_seqlens) not in INT_DTYPES:
-            raise TypeError(f"cu_seqlens: expected an integer dtype, got {dtype_name(cu_seqlens)}")
-        if len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 2:
-            raise ValueError(f"cu_seqlens: expected shape [N + 1] with N >= 1, "
-                             f"got {_shape(cu_seqlens)}")
         if B != 1:
+            check_offsets(cu_seqlens, None)  # its own type errors come first
             raise ValueError(f"cu_seqlens: expected batch size B=1 with cu_seqlens, got B={B} "
                              f"(q shape {_shape(q)})")
-        N = int(cu_seqlens.shape[0]) - 1
-        cu = known_values(cu_seqlens)
-        if cu is not None:
-            _check_cu_values(cu, T)
+        N = check_offsets(cu_seqlens, T)
 
     g_kind = "none"
     if g is not None:
@@ -221,18 +228,31 @@ def check(q, k, v, *, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None
                 dtype=dtype_name(q))
 
 
-def _check_cu_values(cu, total):
-    cu = np.asarray(cu)
-    if cu[0] != 0:
-        raise ValueError(f"cu_seqlens: expected to start at 0, got cu_seqlens[0]={int(cu[0])}")
-    steps = np.diff(cu.astype(np.int64))
-    if (steps < 0).any():
-        i = int(np.argmax(steps < 0))
-        raise ValueError(f"cu_seqlens: expected non-decreasing values, got "
-                         f"cu_seqlens[{i}]={int(cu[i])} > cu_seqlens[{i + 1}]={int(cu[i + 1])}")
-    if cu[-1] != total:
-        raise ValueError(f"cu_seqlens: expected to end at the token count {total}, "
-                         f"got cu_seqlens[-1]={int(cu[-1])}")
+def check_offsets(cu_seqlens, total) -> int:
+    """Validate packed-sequence offsets [N + 1] (integer, starting at 0, non-decreasing,
+    ending at `total` tokens; values only where known, ends not checked for total None)
+    and return N."""
+    if not hasattr(cu_seqlens, "shape") or not hasattr(cu_seqlens, "dtype"):
+        raise TypeError(f"cu_seqlens: expected a 1-d integer array or tensor, "
+                        f"got {type(cu_seqlens).__name__}")
+    if dtype_name(cu_seqlens) not in INT_DTYPES:
+        raise TypeError(f"cu_seqlens: expected an integer dtype, got {dtype_name(cu_seqlens)}")
+    if len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens: expected shape [N + 1] with N >= 1, "
+                         f"got {_shape(cu_seqlens)}")
+    cu = None if total is None else known_values(cu_seqlens)
+    if cu is not None:
+        if cu[0] != 0:
+            raise ValueError(f"cu_seqlens: expected to start at 0, got cu_seqlens[0]={int(cu[0])}")
+        steps = np.diff(cu.astype(np.int64))
+        if (steps < 0).any():
+            i = int(np.argmax(steps < 0))
+            raise ValueError(f"cu_seqlens: expected non-decreasing values, got "
+                             f"cu_seqlens[{i}]={int(cu[i])} > cu_seqlens[{i + 1}]={int(cu[i + 1])}")
+        if cu[-1] != total:
+            raise ValueError(f"cu_seqlens: expected to end at the token count {total}, "
+                             f"got cu_seqlens[-1]={int(cu[-1])}")
+    return int(cu_seqlens.shape[0]) - 1
 
 
 def _check_scale(softmax_scale, K) -> float:

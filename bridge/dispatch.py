@@ -1,12 +1,59 @@
-"""Which implementation runs a call: the platform (`route`) and, with the Triton
-kernels, the kernel family (`kernel_mode`, by the estimated costs of
-`kernel_costs`). The argument contract itself is `bridge.contract`."""
+"""The steps of every public call around the launch, written once for both frameworks:
+
+    prepare(...)  -> Call: the contract's Plan (`bridge.contract.check`), the platform
+                     (`route`) and the kernel (`kernel_mode`, by `kernel_costs`)
+    batched(...)  -> the inputs by name in the launchers' batched layout
+    (the framework runs its platform on them)
+    unbatched(...) -> o back in the caller's layout
+
+Each framework keeps only what is its own: array conversion, autograd, devices.
+"""
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
+from . import contract
 from .contract import Plan
+from .grads import INPUTS
 
 MODES = ("auto", "chunk", "fused_recurrent")
+TOKENS = ("q", "k", "v", "g", "gk", "gv")  # the inputs with a time axis
+
+
+class Call(NamedTuple):
+    """What runs one call: `platform` ("triton", "torch", "xla", "pallas") and `kernel`,
+    the Triton family ("chunk" / "fused_recurrent") or, on the other platforms, the
+    platform itself."""
+
+    plan: Plan
+    platform: str
+    kernel: str
+
+
+def prepare(inputs: dict, *, softmax_scale, reverse, cu_seqlens, platform, mode,
+            platforms, fallback, gpu, tpu=False) -> Call:
+    """Check the arguments (`inputs`: the arrays of `grads.INPUTS` by name, absent ones
+    None or left out), then resolve the platform and the kernel."""
+    plan = contract.check(**inputs, softmax_scale=softmax_scale, reverse=reverse,
+                          cu_seqlens=cu_seqlens)
+    platform = route(platform, mode, platforms, fallback, gpu=gpu, tpu=tpu)
+    return Call(plan, platform, kernel_mode(mode, plan) if platform == "triton" else platform)
+
+
+def batched(plan: Plan, inputs: dict, new_axis: Callable) -> dict:
+    """{name: input} for every name of `grads.INPUTS` (absent ones None), packed token
+    inputs [total, H, *] given a leading axis by `new_axis` ([1, total, H, *])."""
+    out = {}
+    for name in INPUTS:
+        x = inputs.get(name)
+        out[name] = new_axis(x) if x is not None and plan.packed and name in TOKENS else x
+    return out
+
+
+def unbatched(plan: Plan, o):
+    """The output in the caller's layout: [total, H, V] for packed inputs."""
+    return o[0] if plan.packed else o
 
 
 def route(platform, mode, platforms, fallback: str, gpu: bool, tpu: bool = False) -> str:

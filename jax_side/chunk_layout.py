@@ -73,3 +73,21 @@ class Layout:
             return jnp.take(y, self.inv, axis=0, mode="clip")[None]
         y = y.transpose(1, 0, 3, 2, 4).reshape(R, S * C, H, D)[:, :self.T]
         return jnp.flip(y, 1) if self.reverse else y
+
+    def key_decay(self, plan, g, gk, g_gamma, dtype):
+        """The key-side log decay per token in slots, a = g + gk + g_gamma, [S,R,H,C,K]
+        (K = 1 with only per-head terms), in `dtype`; None without key-side gates.
+        g_gamma is zero at padding positions, which must not decay."""
+        f = lambda x: jnp.asarray(x).astype(dtype)  # noqa: E731
+        a = None
+        if plan.g != "none":
+            a = self.chunks(f(g) if plan.g == "key" else f(g)[..., None])
+        if plan.gk:
+            a = self.chunks(f(gk)) if a is None else a + self.chunks(f(gk))
+        if plan.g_gamma != "none":
+            gam = f(g_gamma)
+            gam = gam[self.seq] if plan.g_gamma == "seq" else jnp.broadcast_to(
+                gam, (self.R, plan.H))
+            gam = gam[..., None, None] * self.valid
+            a = gam if a is None else a + gam
+        return a

@@ -88,18 +88,19 @@ def _edge_cumsum(x, reverse):
     return jnp.flip(jnp.cumsum(jnp.flip(x, 1), 1), 1) if reverse else jnp.cumsum(x, 1)
 
 
-def context_parallel(plan, local, axis, q, k, v, g, gk, gv, g_gamma, initial_state,
-                     cu_seqlens, cu_global):
+def context_parallel(plan, local, axis, inputs, cu_seqlens, cu_global):
     """SPEC.md's recurrence over a time axis sharded on mesh axis `axis`.
 
     plan: the contract's Plan of this device's slice (local T; with cu_seqlens the
-    local offsets from `local_offsets`). local(plan, q, k, v, g, gk, gv, g_gamma,
-    initial_state, cu_seqlens) -> (o, final_state): one platform's call. Arrays in
-    the batched layout; cu_seqlens are the local offsets (`local_offsets`) of the
-    global ones, cu_global. Returns o [B,T,H,V] (this slice) and final_state
+    local offsets from `local_offsets`). local(plan, inputs, cu_seqlens) -> (o,
+    final_state): one platform's call. `inputs`: the arrays of `bridge.grads.INPUTS` by
+    name (absent ones None), batched layout; cu_seqlens are the local offsets
+    (`local_offsets`) of the global ones, cu_global. Returns o [B,T,H,V] (this slice) and final_state
     [N,H,K,V], the same on every device of `axis`.
     """
     P, p = axis_position(axis)
+    q, g, gk, gv, g_gamma, initial_state = (inputs[n] for n in (
+        "q", "g", "gk", "gv", "g_gamma", "initial_state"))
     N, H, K, V, T = plan.N, plan.H, plan.K, plan.V, plan.T
     rev = plan.reverse
 
@@ -122,7 +123,7 @@ def context_parallel(plan, local, axis, q, k, v, g, gk, gv, g_gamma, initial_sta
         h0 = jnp.where(starts[:, None, None, None], initial_state,
                        jnp.zeros((), initial_state.dtype))
     local_plan = dataclasses.replace(plan, initial_state=h0 is not None)
-    o, fin = local(local_plan, q, k, v, g, gk, gv, g_gamma, h0, cu_seqlens)
+    o, fin = local(local_plan, dict(inputs, initial_state=h0), cu_seqlens)
     ct = fin.dtype
 
     # 2. the slice's total log decays per sequence

@@ -21,7 +21,7 @@ import jax
 import jax.interpreters.ad  # noqa: F401  (JVPTracer)
 import jax.numpy as jnp
 
-from bridge import contract, dispatch, variants
+from bridge import dispatch, variants
 from . import sharding
 
 PLATFORMS = ("auto", "triton", "xla", "pallas")
@@ -37,68 +37,60 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
         context.axis_position(context_axis)  # a clear error first, outside shard_map
         if cu_seqlens is not None and hasattr(q, "shape") and len(q.shape) in (3, 4):
             cu_seqlens = context.local_offsets(cu_seqlens, q.shape[-3], context_axis)
-    plan = contract.check(q, k, v, g=g, g_gamma=g_gamma, gk=gk, gv=gv,
-                          softmax_scale=softmax_scale, initial_state=initial_state,
-                          reverse=reverse, cu_seqlens=cu_seqlens)
+    inputs = dict(q=q, k=k, v=v, g=g, gk=gk, gv=gv, g_gamma=g_gamma,
+                  initial_state=initial_state)
     backend = jax.default_backend()
-    platform = dispatch.route(platform, mode, PLATFORMS, "xla", gpu=backend == "gpu",
-                              tpu=backend == "tpu")
-
-    def batched(x):
-        if x is None:
-            return None
-        x = jnp.asarray(x)
-        return x[None] if plan.packed else x
-
-    q, k, v, g, gk, gv = (batched(x) for x in (q, k, v, g, gk, gv))
-    g_gamma, initial_state, cu_seqlens = (None if x is None else jnp.asarray(x)
-                                          for x in (g_gamma, initial_state, cu_seqlens))
-    if not forward_mode_ok(plan, platform) and _in_forward_mode(
-            q, k, v, g, gk, gv, g_gamma, initial_state):
-        raise TypeError(forward_mode_message(plan, platform))
-    local = functools.partial(_local_pass, platform=platform, mode=mode)
-    arrays = (q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens)
-    if context_axis is None and sharding.partitions(platform, backend) and \
-            not sharding.varying(*arrays) and not _in_forward_mode(*arrays):
+    call = dispatch.prepare(inputs, softmax_scale=softmax_scale, reverse=reverse,
+                            cu_seqlens=cu_seqlens, platform=platform, mode=mode,
+                            platforms=PLATFORMS, fallback="xla", gpu=backend == "gpu",
+                            tpu=backend == "tpu")
+    plan = call.plan
+    inputs = dispatch.batched(plan, {n: None if x is None else jnp.asarray(x)
+                                     for n, x in inputs.items()}, lambda x: x[None])
+    cu_seqlens = None if cu_seqlens is None else jnp.asarray(cu_seqlens)
+    forward_mode = _in_forward_mode(*inputs.values())
+    if forward_mode and not forward_mode_ok(plan, call.platform):
+        raise TypeError(forward_mode_message(plan, call.platform))
+    local = functools.partial(_local_pass, platform=call.platform, kernel=call.kernel)
+    if context_axis is None and sharding.partitions(call.platform, backend) and \
+            not sharding.varying(*inputs.values(), cu_seqlens) and not forward_mode:
         # many devices, outside shard_map: batch/head-sharded inputs stay local (its
         # custom_vjp has no forward mode: jax.jvp takes the plain call)
-        o, final_state = sharding.batch_head_sharded(local, plan, arrays)
+        o, final_state = sharding.batch_head_sharded(local, plan, inputs, cu_seqlens)
     elif context_axis is None:
-        o, final_state = local(plan, *arrays)
+        o, final_state = local(plan, inputs, cu_seqlens)
     else:
-        o, final_state = context.context_parallel(
-            plan, local, context_axis, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens,
-            cu_global)
-    return (o[0] if plan.packed else o), final_state
+        o, final_state = context.context_parallel(plan, local, context_axis, inputs,
+                                                  cu_seqlens, cu_global)
+    return dispatch.unbatched(plan, o), final_state
 
 
-def _local_pass(plan, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, *, platform,
-                mode):
-    """One platform's call on batched-layout arrays (absent ones None): (o, final_state).
-    Inside shard_map every input is first typed with the union of their varying mesh
-    axes (check_vma), and the XLA path gets its zero initial state that way too."""
-    q, k, v, g, gk, gv, g_gamma, initial_state = sharding.vary_all(
-        q, k, v, g, gk, gv, g_gamma, initial_state)
-    axes = sharding.varying(q, k, v)
-    if axes and initial_state is None and platform == "xla":
+def _local_pass(plan, inputs, cu_seqlens, *, platform, kernel):
+    """One platform's call on `inputs` (the arrays of `bridge.grads.INPUTS` by name,
+    batched layout, absent ones None): (o, final_state). Inside shard_map every input
+    is first typed with the union of their varying mesh axes (check_vma), and the XLA
+    path gets its zero initial state that way too."""
+    inputs = dict(zip(inputs, sharding.vary_all(*inputs.values())))
+    axes = sharding.varying(inputs["q"], inputs["k"], inputs["v"])
+    if axes and inputs["initial_state"] is None and platform == "xla":
         # the XLA path's scan carry starts from the initial state: an unvaried zero
         # state would not match the varying carry it produces
-        initial_state = sharding.vary(jnp.zeros((plan.N, plan.H, plan.K, plan.V), jnp.float32
-                                                if plan.dtype != "float64" else jnp.float64),
-                                      axes)
+        inputs["initial_state"] = sharding.vary(jnp.zeros(
+            (plan.N, plan.H, plan.K, plan.V),
+            jnp.float32 if plan.dtype != "float64" else jnp.float64), axes)
         plan = dataclasses.replace(plan, initial_state=True)
     try:
-        if platform in ("xla", "pallas"):
-            if platform == "xla":
-                from .xla import recurrent_xla as chunked
-            else:
-                from .pallas import recurrent_pallas as chunked
-            return chunked(plan, q, k, v, g=g, gk=gk, gv=gv, g_gamma=g_gamma,
-                           initial_state=initial_state, cu_seqlens=cu_seqlens)
+        if platform == "xla":
+            from .xla import recurrent_xla
+
+            return recurrent_xla(plan, **inputs, cu_seqlens=cu_seqlens)
+        if platform == "pallas":
+            from .pallas import recurrent_pallas
+
+            return recurrent_pallas(plan, **inputs, cu_seqlens=cu_seqlens)
         from .triton_launch import triton_kernels
 
-        return triton_kernels(plan, dispatch.kernel_mode(mode, plan), cu_seqlens,
-                              q, k, v, g, gk, gv, g_gamma, initial_state)
+        return triton_kernels(plan, kernel, inputs, cu_seqlens)
     except TypeError as e:
         # jax.jvp / jacfwd traced through one of our custom_vjp rules: JAX's own
         # message does not say which path has one, nor what works instead

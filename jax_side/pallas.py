@@ -351,16 +351,7 @@ def recurrent_pallas(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, init
     low = lambda x: jnp.asarray(x) if jnp.asarray(x).dtype in (jnp.bfloat16, jnp.float16) else f(x)
 
     qc, kc, vc = (lay.chunks(low(x)) for x in (q, k, v))
-    a = None  # key-side log decay [S,R,H,C,K or 1]
-    if plan.g != "none":
-        a = lay.chunks(f(g) if plan.g == "key" else f(g)[..., None])
-    if plan.gk:
-        a = lay.chunks(f(gk)) if a is None else a + lay.chunks(f(gk))
-    if plan.g_gamma != "none":
-        gam = f(g_gamma)
-        gam = gam[lay.seq] if plan.g_gamma == "seq" else jnp.broadcast_to(gam, (lay.R, H))
-        gam = gam[..., None, None] * lay.valid  # padding positions must not decay
-        a = gam if a is None else a + gam
+    a = lay.key_decay(plan, g, gk, g_gamma, F32)  # [S,R,H,C,K or 1]
     if a is None:
         a = jnp.zeros((lay.S, lay.R, H, C, 1), F32)
     if plan.gv or a.shape[-1] != 1:  # key-wise decays ([C, 1] stays: the scalar kernels)

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import ManualAxisType, NamedSharding, PartitionSpec as P
 
+from bridge.grads import INPUTS
+
 
 def varying(*xs) -> frozenset:
     """The mesh axes any of the arrays varies over (empty outside shard_map)."""
@@ -97,7 +99,7 @@ _NO_CHECK = _no_check_primitive()
 # ---------------------------------------------------------------------------
 # Batch / head sharding under plain jax.jit: a custom_partitioning rule.
 
-ARGS = ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state", "cu_seqlens")
+ARGS = (*INPUTS, "cu_seqlens")
 
 
 def _dims(plan, name):
@@ -204,31 +206,33 @@ def partitions(platform, backend) -> bool:
     return jax.device_count() > 1 and (platform != "triton" or backend == "gpu")
 
 
-def batch_head_sharded(local, plan, arrays):
-    """local(plan, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens) -> (o, final)
-    with a partitioning rule: inputs sharded over batch (not varlen) and heads stay
-    where they are, each device computes its shard, outputs keep that sharding.
-    `arrays`: the nine arguments (absent ones None), batched layout. The backward
-    is a second partitioned call that recomputes the forward (jax.vjp of `local`)."""
+def batch_head_sharded(local, plan, inputs, cu_seqlens):
+    """local(plan, inputs, cu_seqlens) -> (o, final) with a partitioning rule: inputs
+    sharded over batch (not varlen) and heads stay where they are, each device computes
+    its shard, outputs keep that sharding. `inputs`: the arrays of `bridge.grads.INPUTS`
+    by name (absent ones None), batched layout. The backward is a second partitioned
+    call that recomputes the forward (jax.vjp of `local`)."""
     import dataclasses
 
-    arrays = dict(zip(ARGS, arrays))
+    arrays = dict(inputs, cu_seqlens=cu_seqlens)
     if plan.g_gamma == "head":  # per sequence, so its gradient never sums over devices
         arrays["g_gamma"] = jnp.broadcast_to(arrays["g_gamma"], (plan.N, plan.H))
         plan = dataclasses.replace(plan, g_gamma="seq")
     ins = tuple(n for n in ARGS if arrays[n] is not None)
     diff = tuple(n for n in ins if n != "cu_seqlens")
 
+    def call(p, full):
+        return local(p, {n: full.get(n) for n in INPUTS}, full.get("cu_seqlens"))
+
     def forward(p, *xs):
-        full = dict(zip(ins, xs))
-        return local(p, *(full.get(n) for n in ARGS))
+        return call(p, dict(zip(ins, xs)))
 
     def backward(p, *xs):
         full = dict(zip(ins, xs[:len(ins)]))
         do, dfin = xs[len(ins):]
 
         def f(*d):
-            return local(p, *(dict(full, **dict(zip(diff, d))).get(n) for n in ARGS))
+            return call(p, dict(full, **dict(zip(diff, d))))
 
         _, vjp = jax.vjp(f, *(full[n] for n in diff))
         return vjp((do, dfin))

@@ -37,9 +37,6 @@ finally:
     else:
         os.environ["TRITON_CACHE_DIR"] = _cache_dir
 
-ARGS = grads.INPUTS
-
-
 def _spec(out, env):
     return jax.ShapeDtypeStruct(out.shape, jnp.dtype(resolve_dtype(out.dtype, env)))
 
@@ -133,14 +130,14 @@ def run(launches, env, want):
 def _execute(plan, mode, stage, env):
     """Run one stage ("fwd" or "bwd") of the kernels on a dict of arrays (absent
     inputs left out). fwd -> {o, final_state}; bwd -> {input name: gradient}."""
-    env = {n: env.get(n) for n in (*ARGS, "cu_seqlens", "final_state", "do", "dfinal_state")}
+    env = {n: env.get(n) for n in (*grads.INPUTS, "cu_seqlens", "final_state", "do", "dfinal_state")}
     kernels = family(mode)
     if stage == "fwd":
         return run(kernels.forward_launches(plan), env, ("o", "final_state"))
     launches = kernels.backward_launches(plan, use_dht=True)
     made = {o.name for launch in launches for o in launch.outputs if o}
     got = grads.assemble(plan, run(launches, env, [n for n in grads.BUFFERS if n in made]))
-    return {n: got[n].astype(env[n].dtype) for n in ARGS if env[n] is not None}
+    return {n: got[n].astype(env[n].dtype) for n in grads.INPUTS if env[n] is not None}
 
 
 @functools.lru_cache(maxsize=None)
@@ -218,11 +215,11 @@ def unfold(plan, n, out):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def triton_kernels(plan, mode, cu_seqlens, q, k, v, g, gk, gv, g_gamma, initial_state):
-    """The kernels of `mode` ("chunk" or "fused_recurrent"): (o [B,T,H,V] in q's
-    dtype, final_state [N,H,K,V] fp32); batched layout, absent inputs None.
-    Differentiable in every floating input."""
-    return _forward(plan, mode, cu_seqlens, q, k, v, g, gk, gv, g_gamma, initial_state)[0]
+def triton_kernels(plan, mode, inputs, cu_seqlens):
+    """The kernels of `mode` ("chunk" or "fused_recurrent") on `inputs`, the arrays of
+    `bridge.grads.INPUTS` by name (batched layout, absent ones None): (o [B,T,H,V] in
+    q's dtype, final_state [N,H,K,V] fp32). Differentiable in every floating input."""
+    return _forward(plan, mode, inputs, cu_seqlens)[0]
 
 
 def _present(**arrays):
@@ -231,19 +228,18 @@ def _present(**arrays):
     return dict(zip(arrays, vary_all(*arrays.values())))
 
 
-def _forward(plan, mode, cu_seqlens, *inputs):
-    env = _present(cu_seqlens=cu_seqlens, **dict(zip(ARGS, inputs)))
-    out = _batchable(plan, mode, "fwd")(env)
-    return (out["o"], out["final_state"]), (cu_seqlens, inputs, out["final_state"])
+def _forward(plan, mode, inputs, cu_seqlens):
+    out = _batchable(plan, mode, "fwd")(_present(cu_seqlens=cu_seqlens, **inputs))
+    return (out["o"], out["final_state"]), (inputs, cu_seqlens, out["final_state"])
 
 
 def _backward(plan, mode, residuals, cotangents):
-    cu_seqlens, inputs, final_state = residuals
+    inputs, cu_seqlens, final_state = residuals
     do, dfinal_state = cotangents
     env = _present(cu_seqlens=cu_seqlens, final_state=final_state, do=do,
-                   dfinal_state=dfinal_state, **dict(zip(ARGS, inputs)))
+                   dfinal_state=dfinal_state, **inputs)
     got = _batchable(plan, mode, "bwd")(env)
-    return (None, *(got.get(n) for n in ARGS))
+    return {n: got.get(n) for n in inputs}, None
 
 
 triton_kernels.defvjp(_forward, _backward)

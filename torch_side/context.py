@@ -120,18 +120,20 @@ def key_decay(g, gk, g_gamma, sid, lead, dtype):
     return sum(parts[1:], parts[0]) if parts else None
 
 
-def context_parallel(local, group, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens,
-                     scale, reverse):
+def context_parallel(local, group, inputs, cu_seqlens, scale, reverse):
     """One call of SPEC.md's recurrence with the time axis split over `group`.
 
-    This rank's slice in the batched layout: q [B,T,H,K], k [B,T,Hk,K], v [B,T,Hk,V],
-    g [B,T,H(,K)], gk [B,T,H,K], gv [B,T,H,V] (absent ones None); the whole g_gamma [H] or
-    [N,H] and initial_state [N,H,K,V]; cu_seqlens: the global packed offsets [N+1] (B = 1,
-    every rank T tokens) or None. `local(q, k, v, g, gk, gv, g_gamma, initial_state,
-    cu_seqlens)` runs one slice and returns (o [B,T,H,V], final_state [N,H,K,V]).
+    `inputs` by name (`bridge.grads.INPUTS`, absent ones None): this rank's slice in the
+    batched layout, q [B,T,H,K], k [B,T,Hk,K], v [B,T,Hk,V], g [B,T,H(,K)], gk [B,T,H,K],
+    gv [B,T,H,V]; the whole g_gamma [H] or [N,H] and initial_state [N,H,K,V]. cu_seqlens:
+    the global packed offsets [N+1] (B = 1, every rank T tokens) or None.
+    `local(inputs, cu_seqlens)` runs one slice and returns (o [B,T,H,V], final_state
+    [N,H,K,V]).
     Returns (o [B,T,H,V] in q's dtype, final_state [N,H,K,V], the same on every rank).
     """
     P, me = group_size_rank(group)
+    q, v, g, gk, gv, g_gamma, initial_state = (inputs[n] for n in (
+        "q", "v", "g", "gk", "gv", "g_gamma", "initial_state"))
     B, T, H, K = q.shape
     V, dev = v.shape[-1], q.device
     order = list(range(P))[::-1] if reverse else list(range(P))
@@ -153,7 +155,7 @@ def context_parallel(local, group, q, k, v, g, gk, gv, g_gamma, initial_state, c
         sid = torch.searchsorted(cu_loc, torch.arange(T, device=dev), right=True) - 1
         cu_loc = cu_loc.to(cu_seqlens.dtype)
     h0 = None if initial_state is None else torch.where(own, initial_state, 0)
-    o_loc, L = local(q, k, v, g, gk, gv, g_gamma, h0, cu_loc)
+    o_loc, L = local(dict(inputs, initial_state=h0), cu_loc)
     # the combine and the correction accumulate in wd: autocast must not downcast them
     with torch.autocast(q.device.type, enabled=False):
         wd = L.dtype  # float32, or float64 on the float64 torch path

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from bridge import contract
+from bridge import contract, grads
 from bridge.kernels import INTERPRETED
 from . import dtensor, triton_launch
 from .native import recurrent_native, recurrent_native_backward
@@ -40,7 +40,7 @@ MODES = ("torch", "chunk", "fused_recurrent")
 CUDA_TRITON = not INTERPRETED and torch.cuda.is_available()
 
 
-def plan_of(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, reverse):
+def plan_of(*, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, reverse):
     """The contract's Plan of already-checked inputs in the batched layout (shapes only)."""
     B, T, H, K = q.shape
     return contract.Plan(
@@ -51,6 +51,11 @@ def plan_of(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, rever
         g_gamma="none" if g_gamma is None else "head" if g_gamma.dim() == 1 else "seq",
         initial_state=initial_state is not None, scale=scale, reverse=reverse,
         varlen=cu_seqlens is not None, packed=False, dtype=contract.dtype_name(q))
+
+
+def _named(q, k, v, g, gk, gv, g_gamma, initial_state) -> dict:
+    """The op's array arguments (schema order) by name, as every layer below takes them."""
+    return dict(q=q, k=k, v=v, g=g, gk=gk, gv=gv, g_gamma=g_gamma, initial_state=initial_state)
 
 
 def _check_mode(mode):
@@ -87,15 +92,15 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tenso
         # values traced by the caller (torch.compile, vmap) are concrete here; read them
         # where that costs no device sync (ops.recurrent checked everything else)
         contract.check(q, k, v, cu_seqlens=cu_seqlens)
-    plan = plan_of(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, reverse)
+    inputs = _named(q, k, v, g, gk, gv, g_gamma, initial_state)
+    plan = plan_of(**inputs, cu_seqlens=cu_seqlens, scale=scale, reverse=reverse)
     # the op accumulates in float32 itself: autocast must not downcast its internals
     with torch.autocast(q.device.type, enabled=False):
         if mode == "torch":
             return recurrent_native(plan, q, k, v, g=g, gk=gk, gv=gv, g_gamma=g_gamma,
                                     initial_state=initial_state, cu_seqlens=cu_seqlens)
         triton_launch.check_device(q)
-        return triton_launch.forward(plan, mode, (q, k, v, g, gk, gv, g_gamma, initial_state),
-                                     cu_seqlens)
+        return triton_launch.forward(plan, mode, inputs, cu_seqlens)
 
 
 @fwd.register_fake
@@ -115,17 +120,20 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tenso
         dfinal_state: Optional[Tensor], scale: float, reverse: bool,
         mode: str) -> list[Tensor]:
     _check_mode(mode)
-    inputs = (q, k, v, g, gk, gv, g_gamma, initial_state)
-    plan = plan_of(*inputs, cu_seqlens, scale, reverse)
+    inputs = _named(q, k, v, g, gk, gv, g_gamma, initial_state)
+    plan = plan_of(**inputs, cu_seqlens=cu_seqlens, scale=scale, reverse=reverse)
     with torch.autocast(q.device.type, enabled=False):
         if mode == "torch":
-            got = recurrent_native_backward(plan, inputs, cu_seqlens, do, dfinal_state)
+            got = recurrent_native_backward(plan, tuple(inputs.values()), cu_seqlens, do,
+                                            dfinal_state)
+            got = dict(zip([n for n, x in inputs.items() if x is not None], got))
         else:
             triton_launch.check_device(q)
             got = triton_launch.backward(plan, mode, inputs, cu_seqlens, final_state, do,
                                          dfinal_state)
     # contiguous, as the fake promises (a [N,H] g_gamma's gradient can come transposed)
-    return _distinct([d.contiguous() for d in got], (*inputs, final_state, do, dfinal_state))
+    return _distinct([got[n].contiguous() for n in grads.INPUTS if inputs[n] is not None],
+                     (*inputs.values(), final_state, do, dfinal_state))
 
 
 @bwd.register_fake
@@ -137,8 +145,9 @@ def _bwd_fake(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, final_stat
 
 def _setup_context(ctx, inputs, output):
     q, k, v, g, gk, gv, g_gamma, h0, cu, scale, reverse, mode = inputs
-    keep = mode != "torch" and triton_launch.needs_final_state(
-        plan_of(q, k, v, g, gk, gv, g_gamma, h0, cu, scale, reverse), mode)
+    keep = mode != "torch" and triton_launch.needs_final_state(plan_of(
+        **_named(q, k, v, g, gk, gv, g_gamma, h0), cu_seqlens=cu, scale=scale,
+        reverse=reverse), mode)
     ctx.save_for_backward(q, k, v, g, gk, gv, g_gamma, h0, cu, output[1] if keep else None)
     ctx.scale, ctx.reverse, ctx.mode = scale, reverse, mode
     ctx.set_materialize_grads(False)  # an unused output's cotangent stays None: less work
@@ -240,9 +249,9 @@ def triton_fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optiona
                gv: Optional[Tensor], g_gamma: Optional[Tensor],
                initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
                reverse: bool, mode: str) -> tuple[Tensor, Tensor]:
-    plan = plan_of(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, reverse)
-    return triton_launch.forward(plan, mode, (q, k, v, g, gk, gv, g_gamma, initial_state),
-                                 cu_seqlens, wrap=True)
+    inputs = _named(q, k, v, g, gk, gv, g_gamma, initial_state)
+    plan = plan_of(**inputs, cu_seqlens=cu_seqlens, scale=scale, reverse=reverse)
+    return triton_launch.forward(plan, mode, inputs, cu_seqlens, wrap=True)
 
 
 @torch.library.triton_op("gla_bridge::triton_bwd", mutates_args=())
@@ -252,10 +261,11 @@ def triton_bwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optiona
                final_state: Optional[Tensor], do: Optional[Tensor],
                dfinal_state: Optional[Tensor], scale: float, reverse: bool,
                mode: str) -> list[Tensor]:
-    inputs = (q, k, v, g, gk, gv, g_gamma, initial_state)
-    plan = plan_of(*inputs, cu_seqlens, scale, reverse)
+    inputs = _named(q, k, v, g, gk, gv, g_gamma, initial_state)
+    plan = plan_of(**inputs, cu_seqlens=cu_seqlens, scale=scale, reverse=reverse)
     got = triton_launch.backward(plan, mode, inputs, cu_seqlens, final_state, do,
                                  dfinal_state, wrap=True)
+    got = [got[n] for n in grads.INPUTS if inputs[n] is not None]
     # g and gk share one gate-gradient buffer; outputs may not alias each other
     return [d.clone() if any(d is e for e in got[:i]) else d for i, d in enumerate(got)]
 

@@ -26,25 +26,9 @@ from . import context, custom_ops, dtensor, triton_launch
 PLATFORMS = ("auto", "triton", "torch")
 
 
-class _TracedValues:
-    """cu_seqlens as `contract.check` sees it while its values are traced (torch.compile,
-    torch.func transforms): a torch tensor's shape, dtype and device, and no values
-    (`contract.known_values` gives None, as for a JAX tracer; SPEC: checked when known)."""
-
-    def __init__(self, x):
-        self.shape, self.dtype, self.device = tuple(x.shape), x.dtype, x.device
-
-    def detach(self):
-        return self
-
-    def cpu(self):
-        return self
-
-    def numpy(self):
-        return None
-
-
 def _values_traced(x) -> bool:
+    """Whether x's values are traced (torch.compile, torch.func transforms): the
+    contract then checks only its shape (SPEC: cu_seqlens values checked when known)."""
     return x is not None and (torch.compiler.is_compiling()
                               or torch._C._functorch.peek_interpreter_stack() is not None)
 
@@ -62,43 +46,38 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
             softmax_scale=softmax_scale, initial_state=initial_state, reverse=reverse,
             cu_seqlens=cu_seqlens, platform=platform, mode=mode)
     if context_group is not None:
-        P = context.group_size_rank(context_group)[0]
-    traced = _values_traced(cu_seqlens)
-    global_cu = context_group is not None and cu_seqlens is not None and not traced
-    cu = _TracedValues(cu_seqlens) if traced or global_cu else cu_seqlens
-    plan = contract.check(q, k, v, g=g, g_gamma=g_gamma, gk=gk, gv=gv,
-                          softmax_scale=softmax_scale, initial_state=initial_state,
-                          reverse=reverse, cu_seqlens=cu)
-    if global_cu:
-        # the global offsets end at the token count of all P slices (each plan.T tokens)
-        every = q.new_empty(()).expand(P * plan.T, 1, 1)
-        contract.check(every, every, every, cu_seqlens=cu_seqlens)
-    platform = dispatch.route(platform, mode, PLATFORMS, "torch", gpu=q.device.type == "cuda")
-    if dtensor.is_dtensor(q):  # plain tensors beside DTensors: the whole value
-        k, v, g, g_gamma, gk, gv, initial_state, cu_seqlens = dtensor.promote(q, dict(
-            k=k, v=v, g=g, g_gamma=g_gamma, gk=gk, gv=gv, initial_state=initial_state,
-            cu_seqlens=cu_seqlens)).values()
-
-    def batched(x):
-        if x is None:
-            return None
-        return (x.unsqueeze(0) if plan.packed else x).contiguous()
-
-    if platform == "torch":
-        mode = "torch"
-    else:
+        P = context.group_size_rank(context_group)[0]  # a bad group fails first
+    inputs = dict(q=q, k=k, v=v, g=g, gk=gk, gv=gv, g_gamma=g_gamma,
+                  initial_state=initial_state)
+    # with context_group, cu_seqlens are the global offsets: checked against all slices
+    global_cu = context_group is not None and cu_seqlens is not None
+    shape_only = global_cu or _values_traced(cu_seqlens)
+    call = dispatch.prepare(
+        inputs, softmax_scale=softmax_scale, reverse=reverse,
+        cu_seqlens=contract.ShapeOnly(cu_seqlens) if shape_only else cu_seqlens,
+        platform=platform, mode=mode, platforms=PLATFORMS, fallback="torch",
+        gpu=q.device.type == "cuda")
+    plan = call.plan
+    if global_cu and not _values_traced(cu_seqlens):
+        contract.check_offsets(cu_seqlens, P * plan.T)
+    if call.platform == "triton":
         triton_launch.check_device(q)
-        mode = dispatch.kernel_mode(mode, plan)
-    tokens = [batched(x) for x in (q, k, v, g, gk, gv)]
-    rest = [None if x is None else x.contiguous() for x in (g_gamma, initial_state)]
+    if dtensor.is_dtensor(q):  # plain tensors beside DTensors: the whole value
+        inputs = dtensor.promote(q, dict(inputs, cu_seqlens=cu_seqlens))
+        cu_seqlens = inputs.pop("cu_seqlens")
+    inputs = {n: None if x is None else x.contiguous() for n, x in
+              dispatch.batched(plan, inputs, lambda x: x.unsqueeze(0)).items()}
+
+    def run(inputs, cu_seqlens):
+        return custom_ops.fwd(**inputs, cu_seqlens=cu_seqlens, scale=plan.scale,
+                              reverse=plan.reverse, mode=call.kernel)
+
     if context_group is not None:
-        o, final_state = context.context_parallel(
-            lambda *a: custom_ops.fwd(*a, plan.scale, plan.reverse, mode), context_group,
-            *tokens, *rest, cu_seqlens, plan.scale, plan.reverse)
+        o, final_state = context.context_parallel(run, context_group, inputs, cu_seqlens,
+                                                  plan.scale, plan.reverse)
     else:
-        o, final_state = custom_ops.fwd(*tokens, *rest, cu_seqlens, plan.scale, plan.reverse,
-                                        mode)
-    return (o[0] if plan.packed else o), final_state
+        o, final_state = run(inputs, cu_seqlens)
+    return dispatch.unbatched(plan, o), final_state
 
 
 recurrent.__doc__ = variants.RECURRENT_DOC

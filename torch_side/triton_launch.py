@@ -15,8 +15,6 @@ from bridge.kernels import INTERPRETED
 from bridge.kernels import family
 from bridge.torch_runner import run
 
-ARGS = grads.INPUTS
-
 
 def check_device(q):
     """ValueError unless the Triton kernels can run on q's device (before any launch)."""
@@ -30,27 +28,26 @@ def check_device(q):
 
 
 def forward(plan, mode, inputs, cu_seqlens, wrap=False):
-    """inputs: q, k, v, g, gk, gv, g_gamma, initial_state (batched layout, contiguous,
-    absent ones None). Returns (o [B,T,H,V] in q's dtype, final_state [N,H,K,V] fp32)."""
-    env = dict(zip(ARGS, inputs), cu_seqlens=cu_seqlens)
-    env = run(family(mode).forward_launches(plan), env, wrap=wrap)
+    """inputs: {name of `bridge.grads.INPUTS`: tensor in the batched layout, contiguous,
+    or None}. Returns (o [B,T,H,V] in q's dtype, final_state [N,H,K,V] fp32)."""
+    env = run(family(mode).forward_launches(plan), dict(inputs, cu_seqlens=cu_seqlens),
+              wrap=wrap)
     return env["o"], env["final_state"]
 
 
 def backward(plan, mode, inputs, cu_seqlens, final_state, do, dfinal_state, wrap=False):
-    """Gradients of the present inputs, in ARGS order, each in its input's dtype and shape.
+    """{name: gradient} of the present inputs, each in its input's dtype and shape.
     `final_state` only where the launches read it (`needs_final_state`); `do` or
     `dfinal_state` may be None (no cotangent)."""
-    q, v = inputs[0], inputs[2]
+    q, v = inputs["q"], inputs["v"]
     if do is None:
         do = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=torch.float32, device=q.device)
-    env = dict(zip(ARGS, inputs), cu_seqlens=cu_seqlens, final_state=final_state,
-               do=do.contiguous(),
+    env = dict(inputs, cu_seqlens=cu_seqlens, final_state=final_state, do=do.contiguous(),
                dfinal_state=None if dfinal_state is None else dfinal_state.contiguous())
     env = run(family(mode).backward_launches(plan, use_dht=dfinal_state is not None), env,
               wrap=wrap)
     got = grads.assemble(plan, env)
-    return [got[name].to(x.dtype) for name, x in zip(ARGS, inputs) if x is not None]
+    return {n: got[n].to(x.dtype) for n, x in inputs.items() if x is not None}
 
 
 def needs_final_state(plan, mode) -> bool:

@@ -137,7 +137,6 @@ def launch_times(mode, size, tf_peak, gb_peak, repeats=10, device="cuda"):
     from bridge import contract
     from bridge.kernels import family
     from bridge.torch_runner import run
-    from torch_side.triton_launch import ARGS
 
     B, T, H, K, V = size
     gen = torch.Generator(device=device).manual_seed(0)
@@ -146,7 +145,8 @@ def launch_times(mode, size, tf_peak, gb_peak, repeats=10, device="cuda"):
     g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=device, generator=gen)
                                        ).bfloat16()
     plan = contract.check(q, k, v, g=g)
-    env = dict(zip(ARGS, (q, k, v, g, None, None, None, None)), cu_seqlens=None)
+    env = dict(q=q, k=k, v=v, g=g, gk=None, gv=None, g_gamma=None, initial_state=None,
+               cu_seqlens=None)
     fam = family(mode)
     rows = []
     for stage, launches in (("fwd", fam.forward_launches(plan)),
