@@ -82,11 +82,25 @@ def _distinct(grads, inputs):
     return out
 
 
-@torch.library.custom_op("gla_bridge::fwd", mutates_args=())
-def fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tensor],
-        gv: Optional[Tensor], g_gamma: Optional[Tensor], initial_state: Optional[Tensor],
-        cu_seqlens: Optional[Tensor], scale: float, reverse: bool,
-        mode: str) -> tuple[Tensor, Tensor]:
+def direct(inputs: dict) -> bool:
+    """Whether a call may run `forward` itself instead of the op: nothing the op exists
+    for is active (autograd recording, torch.compile / export tracing, torch.func
+    transforms, autocast, tensor subclasses such as DTensor or fake tensors, dispatch
+    modes). Then both give the same result, and a decoding step no longer spends more
+    time in the dispatcher than in the recurrence. `inputs`: tensors by name, or None."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    given = [x for x in inputs.values() if x is not None]
+    return (not any(type(x) is not torch.Tensor for x in given)
+            and not (torch.is_grad_enabled() and any(x.requires_grad for x in given))
+            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+            and torch._C._functorch.peek_interpreter_stack() is None
+            and not torch.is_autocast_enabled(given[0].device.type)
+            and _get_current_dispatch_mode() is None)
+
+
+def forward(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, reverse, mode):
+    """The body of `fwd` (same arguments and results), for `direct` calls."""
     _check_mode(mode)
     if cu_seqlens is not None and (mode == "torch" or cu_seqlens.device.type == "cpu"):
         # values traced by the caller (torch.compile, vmap) are concrete here; read them
@@ -101,6 +115,15 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tenso
                                     initial_state=initial_state, cu_seqlens=cu_seqlens)
         triton_launch.check_device(q)
         return triton_launch.forward(plan, mode, inputs, cu_seqlens)
+
+
+@torch.library.custom_op("gla_bridge::fwd", mutates_args=())
+def fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tensor],
+        gv: Optional[Tensor], g_gamma: Optional[Tensor], initial_state: Optional[Tensor],
+        cu_seqlens: Optional[Tensor], scale: float, reverse: bool,
+        mode: str) -> tuple[Tensor, Tensor]:
+    return forward(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, reverse,
+                   mode)
 
 
 @fwd.register_fake

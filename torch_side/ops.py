@@ -7,9 +7,12 @@ means the interpreted Triton kernel). `mode`: "fused_recurrent", "chunk" or
 "auto" (Triton kernels only: the cheaper family by `dispatch.kernel_costs`, fused
 recurrent for short sequences and decoding; the torch platform is chunked).
 
-Every call validates its arguments (`bridge.contract.check`), then runs one
+Every call takes `bridge.dispatch`'s steps (check, route, batched layout), then runs one
 `gla_bridge::fwd` custom op (torch_side/custom_ops.py), which owns autograd, fake
 tensors, autocast and vmap: torch.compile(fullgraph=True) and torch.export see one node.
+An eager call with nothing for the op to do (no autograd recording, no tracing, no
+autocast, plain tensors: `custom_ops.direct`) runs the op's body itself, skipping the
+dispatcher, which costs more than a decoding step's recurrence.
 
 `context_group` (a torch.distributed ProcessGroup): the inputs are this rank's slice of
 the time axis, and the call runs context-parallel over the group (torch_side/context.py;
@@ -68,9 +71,14 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
     inputs = {n: None if x is None else x.contiguous() for n, x in
               dispatch.batched(plan, inputs, lambda x: x.unsqueeze(0)).items()}
 
+    # eager, nothing to record: the op's body itself (the dispatcher costs more than a
+    # decoding step's recurrence)
+    op = (custom_ops.forward if custom_ops.direct(dict(inputs, cu_seqlens=cu_seqlens))
+          else custom_ops.fwd)
+
     def run(inputs, cu_seqlens):
-        return custom_ops.fwd(**inputs, cu_seqlens=cu_seqlens, scale=plan.scale,
-                              reverse=plan.reverse, mode=call.kernel)
+        return op(**inputs, cu_seqlens=cu_seqlens, scale=plan.scale, reverse=plan.reverse,
+                  mode=call.kernel)
 
     if context_group is not None:
         o, final_state = context.context_parallel(run, context_group, inputs, cu_seqlens,

@@ -62,6 +62,10 @@ def parse(argv):
     p.add_argument("--multidevice", action="store_true",
                    help="only refresh the multi-device section (context parallelism on 8 host "
                         "devices, a few minutes) in OUT/results.json, and rewrite the markdown")
+    p.add_argument("--decode", action="store_true",
+                   help="only refresh the decode section (the layers' per-token time, both "
+                        "frameworks, a few minutes) in OUT/results.json, and rewrite the "
+                        "markdown from it")
     a = p.parse_args(argv)
     if a.T is not None and min(a.T) <= 0:
         p.error(f"--T must be positive, got {a.T}")
@@ -121,6 +125,10 @@ def main(argv=None):
         from . import multidevice
 
         return refresh(args, "multidevice", multidevice.run)
+    if args.decode:
+        from . import decode
+
+        return refresh(args, "decode", lambda: decode.run(print))
     _reexec_with_malloc_env(argv)
 
     import torch
@@ -267,7 +275,7 @@ def _stored(args, key):
 
 
 def refresh(args, key, run):
-    """--readiness / --compile-time: `run()`'s new results under `key` in OUT/results.json
+    """--readiness / --compile-time / --gpu / --multidevice / --decode: `run()`'s new results under `key` in OUT/results.json
     (the CPU timings kept), then the markdown again from it."""
     import json
 
