@@ -41,13 +41,12 @@ def outputs(fn, case, arrays, dtype=jnp.float32, grads=True, jit=True, **kw):
     return o, fs, dict(zip(names, gr))
 
 
-def errors(case, arrays, dtype=jnp.float32, fn=recurrent_pallas, jit=True, **kw):
-    """{quantity: relative error} of `fn` (the Pallas path) against the float64 oracle
-    on the same rounded values, after checking the SPEC's output dtypes and shapes;
-    `jit` and `kw` as in `outputs`."""
+def errors(case, dtype=jnp.float32, seed=0, fn=recurrent_pallas, jit=True, **kw):
+    """{quantity: relative error} of `fn` (the Pallas path) against the float64 oracle,
+    both on the case's inputs rounded to `dtype`, after checking the SPEC's output dtypes
+    and shapes; `jit` and `kw` as in `outputs`."""
     name = str(jnp.dtype(dtype))
-    arrays = {n: backends.round_to(a, name) if n in cases.ACTIVATIONS else a
-              for n, a in arrays.items()}
+    arrays = backends.prepared(case, name, seed)
     o, fs, grads = outputs(fn, case, arrays, dtype, jit=jit, **kw)
     got = backends.checked(fn.__name__, o, fs, grads, cases.to_jax(arrays, dtype))
     want = backends.Oracle().run(case, arrays, name)

@@ -45,7 +45,7 @@ MULTI = [  # more chunks, varlen across them, bf16: (case, dtype)
 
 
 def assert_matches_oracle(case, dtype=jnp.float32):
-    errs = errors(case, cases.inputs(case), dtype)
+    errs = errors(case, dtype)
     assert max(errs.values()) <= TOLERANCE[str(jnp.dtype(dtype))], errs
 
 

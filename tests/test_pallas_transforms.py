@@ -1,6 +1,7 @@
 """The Pallas path under JAX's transformations and dtypes (bf16/fp16, jit with
 traced cu_seqlens and g_gamma, vmap), against the XLA path, under the TPU
-memory simulator, and through the Mosaic TPU lowering (jax.export)."""
+memory simulator, and through the Mosaic TPU lowering (jax.export). The one-trace
+test of traced cu_seqlens runs the XLA path too."""
 
 import numpy as np
 import pytest
@@ -23,12 +24,12 @@ from jax_cases import errors, outputs  # noqa: E402
 def test_low_precision_inputs(dtype):
     case = cases.Case(seqlens=(25, 3, 12), H=4, Hk=2, g="key", gv=True, g_gamma="head",
                       initial_state=True)
-    errs = errors(case, cases.inputs(case), dtype)
+    errs = errors(case, dtype)
     assert max(errs.values()) <= TOLERANCE[str(jnp.dtype(dtype))], errs
 
 
 def test_agrees_with_xla_path():
-    case, arrays = cases.make(B=1, seqlens=(30, 0, 17), g="key", gk=True, gv=True,
+    case, arrays = cases.make(seqlens=(30, 0, 17), g="key", gk=True, gv=True,
                               g_gamma="seq", initial_state=True, reverse=True)
     got = outputs(recurrent_pallas, case, arrays)
     want = outputs(recurrent_xla, case, arrays, chunk_size=16)
@@ -42,7 +43,7 @@ def test_agrees_with_xla_path():
 def test_jit_traced_cu_seqlens_and_gamma_one_trace(fn, tol, kw):
     """cu_seqlens and g_gamma traced: two packings of one total share one trace, and so
     does the gradient of g_gamma through it."""
-    _, arrays = cases.make(B=1, seqlens=(20, 30, 14), g="key", g_gamma="seq",
+    _, arrays = cases.make(seqlens=(20, 30, 14), g="key", g_gamma="seq",
                            initial_state=True)
     x = {n: arrays[n] for n in ("q", "k", "v", "g", "g_gamma", "initial_state")}
     traces = []
@@ -91,7 +92,7 @@ def test_tpu_memory_simulation():
     """The TPU interpreter NaN-fills uninitialised memory: catches reads of unwritten blocks."""
     case = cases.Case(seqlens=(9, 0, 20), H=2, K=4, V=4, g="head", gv=True,
                       initial_state=True)
-    errs = errors(case, cases.inputs(case), jit=False, interpret=pltpu.InterpretParams())
+    errs = errors(case, jit=False, interpret=pltpu.InterpretParams())
     assert max(errs.values()) <= TOLERANCE["float32"], errs
 
 
