@@ -2,17 +2,24 @@
 
 A `Case` names the SPEC features it exercises; `inputs(case, seed)` returns
 float32 NumPy arrays (rounding to a lower dtype happens where the arrays are
-handed to a framework, and the oracle sees the rounded values).
+handed to a framework, and the oracle sees the rounded values). Every test
+draws its `recurrent` inputs here: `make(seed, **fields)` for a case given by
+keywords, `split` / `cast` / `to_torch` / `to_jax` to hand them on.
 """
 
 from dataclasses import dataclass, replace
 
 import numpy as np
 
+from bridge.grads import INPUTS  # the differentiable inputs, in the launchers' order
+
+ACTIVATIONS = ("q", "k", "v", "do")  # given in the tested dtype; gates and states stay fp32
+COTANGENTS = ("do", "dfinal_state")
+
 
 @dataclass(frozen=True)
 class Case:
-    name: str
+    name: str = "case"
     B: int = 1
     T: int = 12
     H: int = 2
@@ -27,7 +34,9 @@ class Case:
     reverse: bool = False
     seqlens: tuple = None   # packed variable-length sequences (B must be 1)
     packed: bool = False    # give packed inputs as [total, H, *] rather than [1, total, H, *]
-    gate_scale: float = 1.0  # log gates are -uniform(0.02, 1) * gate_scale per step
+    # log gates: -uniform(*gate_range) * gate_scale a step; g_gamma -uniform(0.02, 0.5) * gate_scale
+    gate_scale: float = 1.0
+    gate_range: tuple = (0.02, 1.0)  # (5, 10): every step decays by e^-5 or more
     softmax_scale: float = None
     # Gate gradients come from the cumulative identity da_r = da_{r+1} + q.dq' - k.dk',
     # whose fp32 rounding is absolute: about epsilon times the O(1) q.dq terms. When
@@ -35,6 +44,10 @@ class Case:
     # give 0.2-1.4, measured on these cases), its relative error says nothing, so
     # such cases measure it against this RMS floor: a tenth of the moderate scale.
     gate_grad_floor: float = 0.0
+
+    def __post_init__(self):
+        if self.seqlens is not None and self.B != 1:
+            raise ValueError(f"{self.name}: packed sequences (seqlens) need B == 1, got {self.B}")
 
     @property
     def N(self):
@@ -46,17 +59,19 @@ class Case:
 
 def inputs(case: Case, seed: int = 0) -> dict:
     """Arguments of `recurrent` for this case (float32 NumPy, int32 cu_seqlens),
-    plus the cotangents `do` and `dfinal_state`."""
+    plus the cotangents `do` and `dfinal_state`: q [B,T,H,K], k [B,T,Hk,K],
+    v [B,T,Hk,V], do [B,T,H,V] (packed: [total,H,*]), gates in their SPEC shapes,
+    initial_state and dfinal_state [N,H,K,V], cu_seqlens [N+1]."""
     rng = np.random.default_rng(seed)
     T = sum(case.seqlens) if case.seqlens else case.T
     lead = (T,) if case.packed else (case.B, T)
-    B, H, Hk, K, V, N = case.B, case.H, case.Hk, case.K, case.V, case.N
+    H, Hk, K, V, N = case.H, case.Hk, case.K, case.V, case.N
 
     def normal(*shape, s=1.0):
         return (rng.standard_normal(lead + shape) * s).astype(np.float32)
 
     def gate(*shape):
-        return (-rng.uniform(0.02, 1.0, lead + shape) * case.gate_scale).astype(np.float32)
+        return (-rng.uniform(*case.gate_range, lead + shape) * case.gate_scale).astype(np.float32)
 
     out = dict(q=normal(H, K), k=normal(Hk, K), v=normal(Hk, V), do=normal(H, V),
                dfinal_state=rng.standard_normal((N, H, K, V)).astype(np.float32))
@@ -76,6 +91,48 @@ def inputs(case: Case, seed: int = 0) -> dict:
     if case.seqlens:
         out["cu_seqlens"] = np.concatenate([[0], np.cumsum(case.seqlens)]).astype(np.int32)
     return out
+
+
+def make(seed: int = 0, **fields) -> tuple:
+    """(Case(**fields), inputs(case, seed)): a case given by its fields, e.g.
+    make(T=150, H=4, Hk=2, g="key", initial_state=True, seqlens=(0, 70, 80))."""
+    case = Case(**fields)
+    return case, inputs(case, seed)
+
+
+def split(arrays: dict) -> tuple:
+    """(the arrays `recurrent` takes, {do, dfinal_state})."""
+    return ({n: a for n, a in arrays.items() if n not in COTANGENTS},
+            {n: arrays[n] for n in COTANGENTS if n in arrays})
+
+
+def cast(arrays: dict, dtype=np.float64) -> dict:
+    """Every floating array in NumPy `dtype` (cu_seqlens stays int32)."""
+    return {n: a if n == "cu_seqlens" else np.asarray(a, dtype) for n, a in arrays.items()}
+
+
+def to_torch(arrays: dict, dtype=None, requires_grad: bool = False) -> dict:
+    """torch tensors on the CPU: the activations (q, k, v, do) in `dtype` (a torch
+    dtype; None keeps them), the rest as given; with requires_grad the
+    differentiable inputs (`INPUTS`) are leaves that record gradients."""
+    import torch
+
+    out = {}
+    for n, a in arrays.items():
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if dtype is not None and n in ACTIVATIONS:
+            t = t.to(dtype)
+        out[n] = t.requires_grad_(requires_grad and n in INPUTS)
+    return out
+
+
+def to_jax(arrays: dict, dtype=None) -> dict:
+    """jax arrays: the activations (q, k, v, do) in `dtype` (None keeps them), the
+    rest as given."""
+    import jax.numpy as jnp
+
+    return {n: jnp.asarray(a, dtype if dtype is not None and n in ACTIVATIONS else None)
+            for n, a in arrays.items()}
 
 
 def call_kwargs(case: Case, arrays: dict) -> dict:

@@ -10,11 +10,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
-from . import backends, cases
+from . import backends, cases, spawn
 from .compare import errors, tolerance
 
 CASES = [
@@ -41,61 +40,41 @@ def _save(path, out):
 
 # ------------------------------------------------------------------------- torch
 
-def _torch_rank(rank, P, init_file, name, seed, out_path):
+def _torch_rank(rank, P, name, seed, out_path):
+    """One gloo rank (parity.spawn): its time slice through context_group; rank 0 saves
+    the gathered results."""
     import torch
     import torch.distributed as dist
 
     import torch_side
 
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=P)
-    try:
-        case = _case(name)
-        arrays = backends.prepared(case, "float32", seed)
-        ax = _time_axis(case)
-        t = {}
-        for n, a in arrays.items():
-            x = torch.from_numpy(np.ascontiguousarray(a))
-            if n not in WHOLE and n != "dfinal_state":
-                x = x.chunk(P, dim=ax)[rank].contiguous()
-            t[n] = x.requires_grad_(n in backends.GRAD_NAMES)
-        kw = cases.call_kwargs(case, t)
-        o, state = torch_side.recurrent(**kw, platform="torch", context_group=dist.group.WORLD)
-        # the final state is the same on every rank: its cotangent enters once (rank 0)
-        loss = (o * t["do"]).sum() + (rank == 0) * (state * t["dfinal_state"]).sum()
-        names = [n for n in backends.GRAD_NAMES if n in t]
-        grads = dict(zip(names, torch.autograd.grad(loss, [t[n] for n in names])))
-        out = {"final_state": state.detach()}
-        for n, x in [("o", o.detach())] + [("d" + n, g) for n, g in grads.items()]:
-            if n[1:] in WHOLE:  # each rank holds its share: the sum is the gradient
-                dist.all_reduce(x)
-                out[n] = x
-            else:
-                parts = [torch.empty_like(x) for _ in range(P)]
-                dist.all_gather(parts, x.contiguous())
-                out[n] = torch.cat(parts, dim=ax)
-        if rank == 0:
-            _save(out_path, {n: x.numpy() for n, x in out.items()})
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    case = _case(name)
+    ax = _time_axis(case)
+    t = cases.to_torch({n: a if n in WHOLE or n == "dfinal_state" else
+                        np.array_split(a, P, axis=ax)[rank]
+                        for n, a in backends.prepared(case, "float32", seed).items()},
+                       requires_grad=True)
+    kw = cases.call_kwargs(case, t)
+    o, state = torch_side.recurrent(**kw, platform="torch", context_group=dist.group.WORLD)
+    # the final state is the same on every rank: its cotangent enters once (rank 0)
+    loss = (o * t["do"]).sum() + (rank == 0) * (state * t["dfinal_state"]).sum()
+    names = [n for n in backends.GRAD_NAMES if n in t]
+    grads = dict(zip(names, torch.autograd.grad(loss, [t[n] for n in names])))
+    out = {"final_state": state.detach()}
+    for n, x in [("o", o.detach())] + [("d" + n, g) for n, g in grads.items()]:
+        if n[1:] in WHOLE:  # each rank holds its share: the sum is the gradient
+            dist.all_reduce(x)
+            out[n] = x
+        else:
+            parts = [torch.empty_like(x) for _ in range(P)]
+            dist.all_gather(parts, x.contiguous())
+            out[n] = torch.cat(parts, dim=ax)
+    if rank == 0:
+        _save(out_path, {n: x.numpy() for n, x in out.items()})
 
 
 def run_torch(name, P, seed, out_path):
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_torch_rank, args=(P, os.path.join(tmp, "rdv"), name, seed,
-                                                    out_path),
-                                 nprocs=P, join=False, start_method="spawn")
-        deadline = time.monotonic() + TIMEOUT_S
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise TimeoutError(f"torch context parallelism over {P} ranks: no result in "
-                                   f"{TIMEOUT_S} s")
+    spawn.gloo(_torch_rank, P, name, seed, out_path, timeout_s=TIMEOUT_S)
 
 
 # --------------------------------------------------------------------------- JAX
@@ -103,7 +82,6 @@ def run_torch(name, P, seed, out_path):
 def jax_child(name, P, seed, out_path):
     """Runs in a process started with P host devices."""
     import jax
-    import jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec as Spec
 
     import jax_side
@@ -112,7 +90,7 @@ def jax_child(name, P, seed, out_path):
     arrays = backends.prepared(case, "float32", seed)
     mesh = Mesh(np.array(jax.devices()[:P]), ("cp",))
     tok = Spec("cp") if case.packed else Spec(None, "cp")
-    x = {n: jnp.asarray(a) for n, a in arrays.items()}
+    x = cases.to_jax(arrays)
     kw = cases.call_kwargs(case, x)
     static = {n: kw.pop(n) for n in ("reverse", "softmax_scale")}
     diff = {n: kw.pop(n) for n in backends.GRAD_NAMES if n in kw}

@@ -27,10 +27,10 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_side  # noqa: E402
-from parity import oracle  # noqa: E402
+from parity import cases, oracle  # noqa: E402
 from parity.bench.multidevice import collective_bytes  # noqa: E402
 
-NAMES = ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state")
+NAMES = cases.INPUTS
 TOKENS = ("q", "k", "v", "g", "gk", "gv")
 
 
@@ -43,41 +43,11 @@ def rel(a, b):
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-6))
 
 
-def problem(seed, B, T, H, Hk, K, V, gates, packed=False, n_seqs=None):
-    """(inputs dict, cu_seqlens or None): gates is a set of gate names."""
-    r = np.random.default_rng(seed)
-    lead = (B * T,) if packed else (B, T)
-    x = {"q": r.standard_normal((*lead, H, K)), "k": r.standard_normal((*lead, Hk, K)),
-         "v": r.standard_normal((*lead, Hk, V))}
-    N = n_seqs if packed else B
-    if "g" in gates:
-        x["g"] = -r.uniform(0.01, 0.5, (*lead, H, K))
-    if "g_head" in gates:
-        x["g"] = -r.uniform(0.01, 0.5, (*lead, H))
-    if "gk" in gates:
-        x["gk"] = -r.uniform(0.01, 0.3, (*lead, H, K))
-    if "gv" in gates:
-        x["gv"] = -r.uniform(0.01, 0.3, (*lead, H, V))
-    if "g_gamma" in gates:
-        x["g_gamma"] = -r.uniform(0.05, 0.5, (H,))
-    if "g_gamma_seq" in gates:
-        x["g_gamma"] = -r.uniform(0.05, 0.5, (N, H))
-    if "h0" in gates:
-        x["initial_state"] = r.standard_normal((N, H, K, V))
-    x = {n: a.astype(np.float32) for n, a in x.items()}
-    cu = None
-    if packed:  # sequence boundaries that do not line up with the device slices
-        cuts = np.sort(r.choice(np.arange(1, B * T), n_seqs - 1, replace=False))
-        cu = np.concatenate([[0], cuts, [B * T]]).astype(np.int32)
-    return x, cu
-
-
-def cotangents(x, seed=1):
-    r = np.random.default_rng(seed)
-    lead = x["q"].shape[:-1]
-    V = x["v"].shape[-1]
-    N = x["initial_state"].shape[0] if "initial_state" in x else None
-    return r.standard_normal((*lead, V)).astype(np.float32), N
+def problem(seed, case):
+    """(recurrent's float32 inputs by name, cu_seqlens or None, do, dfinal_state) of a
+    `parity.cases.Case`."""
+    x, cot = cases.split(cases.inputs(case, seed))
+    return x, x.pop("cu_seqlens", None), cot["do"], cot["dfinal_state"]
 
 
 def oracle_all(x, cu, reverse, do, dfin):
@@ -103,27 +73,23 @@ def check_all(tag, got_o, got_fin, got_grads, want, tol):
         report(f"{tag} d{n}", rel(gr, grads[n]), tol)
 
 
-CONTEXT_CASES = {
-    # name: (problem kwargs, reverse)
-    "gla_gv_h0": (dict(B=2, T=32, H=2, Hk=1, K=8, V=8, gates={"g", "gv", "h0"}), False),
-    "head_gamma_rev": (dict(B=1, T=32, H=2, Hk=2, K=8, V=4, gates={"g_head", "g_gamma", "h0"}),
-                       True),
-    "varlen": (dict(B=1, T=24, H=2, Hk=1, K=8, V=8, packed=True, n_seqs=4,
-                    gates={"gk", "g_gamma_seq", "h0"}), False),
-    "varlen_rev": (dict(B=1, T=24, H=2, Hk=2, K=4, V=8, packed=True, n_seqs=5,
-                        gates={"g", "gv", "h0"}), True),
-    "lightning": (dict(B=2, T=16, H=4, Hk=4, K=8, V=8, gates={"g_gamma"}), False),
+C = cases.Case
+CONTEXT_CASES = {  # packed: sequence boundaries that do not line up with 2, 4 or 8 slices
+    "gla_gv_h0": C(B=2, T=32, H=2, Hk=1, K=8, V=8, g="key", gv=True, initial_state=True),
+    "head_gamma_rev": C(B=1, T=32, H=2, Hk=2, K=8, V=4, g="head", g_gamma="head",
+                        initial_state=True, reverse=True),
+    "varlen": C(H=2, Hk=1, K=8, V=8, packed=True, seqlens=(5, 8, 1, 10), gk=True,
+                g_gamma="seq", initial_state=True),
+    "varlen_rev": C(H=2, Hk=2, K=4, V=8, packed=True, seqlens=(4, 7, 2, 7, 4), g="key",
+                    gv=True, initial_state=True, reverse=True),
+    "lightning": C(B=2, T=16, H=4, Hk=4, K=8, V=8, g_gamma="head"),
 }
 
 
 def context_check(platform, devices, case):
-    kw, reverse = CONTEXT_CASES[case]
-    x, cu = problem(3, **kw)
+    reverse = CONTEXT_CASES[case].reverse
+    x, cu, do, dfin = problem(3, CONTEXT_CASES[case])
     names = tuple(n for n in NAMES if n in x)
-    do, N = cotangents(x)
-    fin_shape = (cu.shape[0] - 1 if cu is not None else x["q"].shape[0],) + (
-        x["q"].shape[-2], x["q"].shape[-1], x["v"].shape[-1])
-    dfin = np.random.default_rng(2).standard_normal(fin_shape).astype(np.float32)
     want = oracle_all(x, cu, reverse, do, dfin)
     packed = cu is not None
     tok = P("cp") if packed else P(None, "cp")
@@ -158,15 +124,13 @@ def sharded_problem(mesh, x, specs):
 def vma_and_jit_check(platform, how, case):
     """Batch/head sharding on a (2, 4) mesh: under shard_map (check_vma=True) or
     plain jax.jit with NamedSharding inputs; forward and every gradient."""
-    kw = dict(B=2, T=16, H=8, Hk=4, K=8, V=8)
     if case == "varlen":  # packed: only heads can be split
-        x, cu = problem(5, **dict(kw, B=1, T=32), packed=True, n_seqs=3,
-                        gates={"g", "gv", "g_gamma", "h0"})
+        spec = C(H=8, Hk=4, packed=True, seqlens=(9, 14, 9), g="key", gv=True,
+                 g_gamma="head", initial_state=True)
     else:
-        x, cu = problem(5, **kw, gates={"g", "g_gamma", "h0"})
+        spec = C(B=2, T=16, H=8, Hk=4, g="key", g_gamma="head", initial_state=True)
+    x, cu, do, dfin = problem(5, spec)
     names = tuple(x)
-    do, _ = cotangents(x)
-    dfin = np.random.default_rng(4).standard_normal(x["initial_state"].shape).astype(np.float32)
     want = oracle_all(x, cu, False, do, dfin)
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("b", "h"))
     b = None if cu is not None else "b"
@@ -211,7 +175,8 @@ def context_hlo_check(platform, devices, T_local):
     """Bytes of every collective in context parallelism's compiled forward and
     gradient: at most devices x N x H x (K V + K + V) x 4 bytes x 2 per direction."""
     B, H, K, V = 2, 2, 8, 8
-    x, _ = problem(7, B=B, T=T_local * devices, H=H, Hk=H, K=K, V=V, gates={"g", "gv", "h0"})
+    x, _, _, _ = problem(7, C(B=B, T=T_local * devices, H=H, Hk=H, K=K, V=V, g="key", gv=True,
+                              initial_state=True))
     names = tuple(x)
     mesh = Mesh(np.array(jax.devices()[:devices]), ("cp",))
     specs = tuple(P(None, "cp") if n in TOKENS else P() for n in names)

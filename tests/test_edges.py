@@ -300,16 +300,14 @@ NATIVE = ("torch", "xla")
 def _f64_case():
     case = cases.Case("f64", T=4, H=2, Hk=1, K=3, V=2, g="key", gv=True, initial_state=True,
                       reverse=True)
-    arrays = {n: a.astype(np.float64) if n != "cu_seqlens" else a
-              for n, a in cases.inputs(case).items()}
+    arrays = cases.cast(cases.inputs(case), np.float64)
     return case, arrays, backends.Oracle().run(case, arrays, "float64")
 
 
 @pytest.mark.parametrize("platform,mode", TORCH_PLATFORMS)
 def test_torch_float64(platform, mode):
     case, arrays, want = _f64_case()
-    t = {n: torch.from_numpy(a).requires_grad_(n not in ("do", "dfinal_state"))
-         for n, a in arrays.items()}
+    t = cases.to_torch(arrays, requires_grad=True)
     o, s = torch_side.recurrent(**cases.call_kwargs(case, t), platform=platform, mode=mode)
     ((o * t["do"]).sum() + (s * t["dfinal_state"]).sum()).backward()
     assert o.dtype == torch.float64 and t["g"].grad.dtype == torch.float64
@@ -325,7 +323,7 @@ def test_torch_float64(platform, mode):
 def test_jax_float64(platform, mode):
     case, arrays, want = _f64_case()
     with jax.enable_x64(True):
-        x = {n: jnp.asarray(a) for n, a in arrays.items()}
+        x = cases.to_jax(arrays)
         kw = cases.call_kwargs(case, x)
         diff = {n: kw.pop(n) for n in ("q", "k", "v", "g", "gv", "initial_state")}
 
@@ -360,7 +358,7 @@ def _jvp_args(g_kind):
     case = cases.Case("jvp", T=7, H=2, Hk=1, K=3, V=2, g=g_kind, gv=g_kind == "head",
                       initial_state=True)
     arrays = cases.inputs(case, seed=3)
-    kw = cases.call_kwargs(case, {n: jnp.asarray(a) for n, a in arrays.items()})
+    kw = cases.call_kwargs(case, cases.to_jax(arrays))
     return case, arrays, kw
 
 

@@ -5,46 +5,19 @@ central finite differences for every gradient, the identities SPEC.md implies
 import numpy as np
 import pytest
 
-from parity import oracle
+from parity import cases, oracle
 
 TIME_INPUTS = ("q", "k", "v", "g", "gk", "gv")  # inputs with a time axis
 
 
-def gate(rng, shape):
-    return -rng.uniform(0.05, 1.0, shape)
-
-
-def make_inputs(seed=0, B=2, T=5, H=2, Hk=2, K=3, V=4, g=None, gk=False, gv=False,
-                g_gamma=None, initial_state=False, seqlens=None, packed=False):
-    """Float64 keyword arguments of `recurrent`, plus cotangents `do` and `dfinal_state`.
-    g: None | "key" ([..,H,K]) | "head" ([..,H]); g_gamma: None | "head" ([H]) | "seq" ([N,H]).
-    With seqlens: B=1, T=sum(seqlens), cu_seqlens, and packed [total,H,*] if packed."""
-    rng = np.random.default_rng(seed)
-    if seqlens is not None:
-        B, T = 1, sum(seqlens)
-    N = B if seqlens is None else len(seqlens)
-    lead = (T,) if packed else (B, T)
-    kw = dict(q=rng.standard_normal(lead + (H, K)), k=rng.standard_normal(lead + (Hk, K)),
-              v=rng.standard_normal(lead + (Hk, V)))
-    if g == "key":
-        kw["g"] = gate(rng, lead + (H, K))
-    elif g == "head":
-        kw["g"] = gate(rng, lead + (H,))
-    if gk:
-        kw["gk"] = gate(rng, lead + (H, K))
-    if gv:
-        kw["gv"] = gate(rng, lead + (H, V))
-    if g_gamma == "head":
-        kw["g_gamma"] = gate(rng, (H,))
-    elif g_gamma == "seq":
-        kw["g_gamma"] = gate(rng, (N, H))
-    if initial_state:
-        kw["initial_state"] = rng.standard_normal((N, H, K, V))
-    if seqlens is not None:
-        kw["cu_seqlens"] = np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32)
-    do = rng.standard_normal(lead + (H, V))
-    dfinal_state = rng.standard_normal((N, H, K, V))
-    return kw, do, dfinal_state
+def make_inputs(seed=0, **fields):
+    """Float64 keyword arguments of `recurrent` (with cu_seqlens for packed sequences),
+    then the cotangents do and dfinal_state, of `parity.cases.Case(**fields)` with small
+    defaults (B=2, or 1 with seqlens; T=5, H=Hk=2, K=3, V=4)."""
+    small = dict(B=1 if fields.get("seqlens") else 2, T=5, K=3, V=4)
+    _, arrays = cases.make(seed, **dict(small, **fields))
+    kw, cot = cases.split(cases.cast(arrays, np.float64))
+    return kw, cot["do"], cot["dfinal_state"]
 
 
 def jacobians(kw, name, eps=1e-6):

@@ -5,7 +5,6 @@ products, every launch carries a cost estimate that covers its MXU work, and
 the blocks fit the default scoped VMEM. (Mosaic's final compile happens only on
 a TPU; `jax.export` runs everything before it.)"""
 
-import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
@@ -14,6 +13,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jax_side  # noqa: E402
 from jax_side import pallas, tpu_report  # noqa: E402
+from parity import cases  # noqa: E402
 from parity.compare import TOLERANCE, rel_err  # noqa: E402
 from parity.oracle import recurrent as oracle  # noqa: E402
 
@@ -64,11 +64,8 @@ def test_public_functions_lower_mosaic_for_tpu(name, dtype, varlen):
 
 def test_public_function_runs_on_cpu_unchanged():
     """The same jitted public function that exports Mosaic runs the interpreter here."""
-    rng = np.random.default_rng(0)
-    B, T, H, K, V = 1, 70, 2, 8, 8
-    q, k = (rng.standard_normal((B, T, H, K)).astype(np.float32) for _ in range(2))
-    v = rng.standard_normal((B, T, H, V)).astype(np.float32)
-    gk = -rng.uniform(0.01, 1.0, (B, T, H, K)).astype(np.float32)
+    _, x = cases.make(T=70, gk=True)
+    q, k, v, gk = (x[n] for n in ("q", "k", "v", "gk"))
     f = jax.jit(lambda *a: jax_side.recurrent_gla(*a, platform="pallas"))
     o, s = f(q, k, v, gk)
     wo, ws = oracle(q, k, v, gk=gk)

@@ -1,6 +1,7 @@
 """The Pallas path under JAX's transformations and dtypes (bf16/fp16, jit with
 traced cu_seqlens and g_gamma, vmap), against the XLA path, under the TPU
-memory simulator, and through the Mosaic TPU lowering (jax.export)."""
+memory simulator, and through the Mosaic TPU lowering (jax.export). The one-trace
+test of traced cu_seqlens runs the XLA path too."""
 
 import numpy as np
 import pytest
@@ -13,62 +14,73 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from bridge.contract import check  # noqa: E402
 from jax_side.pallas import recurrent_pallas  # noqa: E402
 from jax_side.xla import recurrent_xla  # noqa: E402
+from parity import cases  # noqa: E402
 from parity.compare import TOLERANCE, rel_err  # noqa: E402
 from parity.oracle import recurrent, recurrent_grads  # noqa: E402
-from jax_cases import NAMES, errors, make, run  # noqa: E402
+from jax_cases import errors, outputs  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
 def test_low_precision_inputs(dtype):
-    x, cu, cot = make(seqlens=(25, 3, 12), H=4, Hk=2, g="key", gv=True, gamma="head", h0=True)
-    errs = errors(x, cu, False, cot, dtype=dtype)
+    case = cases.Case(seqlens=(25, 3, 12), H=4, Hk=2, g="key", gv=True, g_gamma="head",
+                      initial_state=True)
+    errs = errors(case, dtype)
     assert max(errs.values()) <= TOLERANCE[str(jnp.dtype(dtype))], errs
 
 
 def test_agrees_with_xla_path():
-    x, cu, cot = make(seqlens=(30, 0, 17), H=2, g="key", gk=True, gv=True, gamma="seq", h0=True)
-    got = run(recurrent_pallas, x, cu, True, cot=cot)
-    want = run(recurrent_xla, x, cu, True, cot=cot, chunk_size=16)
+    case, arrays = cases.make(seqlens=(30, 0, 17), g="key", gk=True, gv=True,
+                              g_gamma="seq", initial_state=True, reverse=True)
+    got = outputs(recurrent_pallas, case, arrays)
+    want = outputs(recurrent_xla, case, arrays, chunk_size=16)
     assert rel_err(got[0], want[0]) < 1e-5 and rel_err(got[1], want[1]) < 1e-5
     for n in want[2]:
         assert rel_err(got[2][n], want[2][n]) < 1e-5, n
 
 
-def test_jit_traced_cu_seqlens_and_gamma():
-    """cu_seqlens and g_gamma traced: two packings of one total share one trace."""
-    x, _, _ = make(seqlens=(20, 30, 14), g="key", gamma="seq", h0=True)
+@pytest.mark.parametrize("fn, tol, kw", [(recurrent_xla, 1e-5, dict(chunk_size=16)),
+                                         (recurrent_pallas, 2e-5, {})], ids=["xla", "pallas"])
+def test_jit_traced_cu_seqlens_and_gamma_one_trace(fn, tol, kw):
+    """cu_seqlens and g_gamma traced: two packings of one total share one trace, and so
+    does the gradient of g_gamma through it."""
+    _, arrays = cases.make(seqlens=(20, 30, 14), g="key", g_gamma="seq",
+                           initial_state=True)
+    x = {n: arrays[n] for n in ("q", "k", "v", "g", "g_gamma", "initial_state")}
     traces = []
 
     def f(q, k, v, g, g_gamma, h0, cu):
         traces.append(1)
         plan = check(q, k, v, g=g, g_gamma=g_gamma, initial_state=h0, cu_seqlens=cu)
-        return recurrent_pallas(plan, q, k, v, g=g, g_gamma=g_gamma, initial_state=h0,
-                                cu_seqlens=cu)
+        return fn(plan, q, k, v, g=g, g_gamma=g_gamma, initial_state=h0, cu_seqlens=cu, **kw)
 
     jf = jax.jit(f)
-    args = [x[n] for n in ("q", "k", "v", "g", "g_gamma", "initial_state")]
+    args = list(x.values())
     for seqlens in ((20, 30, 14), (0, 61, 3)):
         cu = np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int32)
         o, fs = jf(*args, jnp.asarray(cu))
         wo, wfs = recurrent(**x, cu_seqlens=cu)
-        assert rel_err(o, wo) < 2e-5 and rel_err(fs, wfs) < 2e-5
+        assert rel_err(o, wo) < tol and rel_err(fs, wfs) < tol
         dgam = jax.jit(jax.grad(lambda gg, c: jf(*args[:4], gg, args[5], c)[1].sum()))(
             args[4], jnp.asarray(cu))
         want = recurrent_grads(**x, cu_seqlens=cu, do=np.zeros_like(wo),
                                dfinal_state=np.ones_like(wfs))["g_gamma"]
-        assert rel_err(dgam, want) < 2e-5
+        assert rel_err(dgam, want) < tol
     assert len(traces) == 1  # the jit cache: both packings and the grad reuse one trace
+    assert jf._cache_size() == 1
 
 
 def test_vmap_over_leading_axis():
-    xs = [make(seed=s, B=1, T=20, g="key", h0=True)[0] for s in (1, 2)]
+    xs = [cases.make(seed=s, B=1, T=20, K=8, V=8, g="key", initial_state=True)[1]
+          for s in (1, 2)]
     names = ("q", "k", "v", "g", "initial_state")
     stacked = [jnp.stack([x[n] for x in xs]) for n in names]
-    plan = check(*[xs[0][n] for n in names[:3]], g=xs[0]["g"], initial_state=xs[0]["initial_state"])
+    plan = check(*[xs[0][n] for n in names[:3]], g=xs[0]["g"],
+                 initial_state=xs[0]["initial_state"])
     f = lambda q, k, v, g, h0: recurrent_pallas(plan, q, k, v, g=g, initial_state=h0)
     o, fs = jax.vmap(f)(*stacked)
     dq = jax.vmap(jax.grad(lambda *a: f(*a)[0].sum()))(*stacked)
     for i, x in enumerate(xs):
+        x = {n: x[n] for n in names}
         wo, wfs = recurrent(**x)
         assert rel_err(o[i], wo) < 2e-5 and rel_err(fs[i], wfs) < 2e-5
         want = recurrent_grads(**x, do=np.ones_like(wo))["q"]
@@ -78,22 +90,10 @@ def test_vmap_over_leading_axis():
 @pytest.mark.skipif(not hasattr(pltpu, "InterpretParams"), reason="no TPU interpreter here")
 def test_tpu_memory_simulation():
     """The TPU interpreter NaN-fills uninitialised memory: catches reads of unwritten blocks."""
-    x, cu, cot = make(seqlens=(9, 0, 20), H=2, K=4, V=4, g="head", gv=True, h0=True)
-    names = [n for n in NAMES if n in x]
-    plan = check(*[x[n] for n in names[:3]], **{n: x[n] for n in names[3:]}, cu_seqlens=cu)
-
-    def loss(*a):
-        o, fs = recurrent_pallas(plan, *a[:3], **dict(zip(names[3:], a[3:])), cu_seqlens=cu,
-                                 interpret=pltpu.InterpretParams())
-        return jnp.sum(o * cot["do"]) + jnp.sum(fs * cot["dfinal_state"]), (o, fs)
-
-    (_, (o, fs)), grads = jax.value_and_grad(loss, range(len(names)), has_aux=True)(
-        *[x[n] for n in names])
-    wo, wfs = recurrent(**x, cu_seqlens=cu)
-    want = recurrent_grads(**x, cu_seqlens=cu, **cot)
-    assert rel_err(o, wo) < 2e-5 and rel_err(fs, wfs) < 2e-5
-    for n, gr in zip(names, grads):
-        assert rel_err(gr, want[n]) < 2e-5, n
+    case = cases.Case(seqlens=(9, 0, 20), H=2, K=4, V=4, g="head", gv=True,
+                      initial_state=True)
+    errs = errors(case, jit=False, interpret=pltpu.InterpretParams())
+    assert max(errs.values()) <= TOLERANCE["float32"], errs
 
 
 def _export_text(fn, *shapes):

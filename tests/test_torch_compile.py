@@ -5,44 +5,39 @@ Every compiled or exported result is compared with the eager module (itself chec
 against the float64 oracle in test_layers.py); the ops' own results with the oracle.
 Tiny shapes, few compiles: this file runs on one xdist worker (--dist loadfile)."""
 
+from functools import partial
+
 import pytest
 import torch
-import torch.nn.functional as F
 
 import bridge.kernels  # noqa: F401  (decides on Triton's interpreter before triton loads)
 import torch_side
-from parity import oracle
+from parity import cases, oracle
 from parity.compare import rel_err
 from torch_side import GatedLinearAttention, LightningAttention, custom_ops
 
 TOL = 2e-5  # float32 (parity/compare.py)
-ARGS = ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state")
+ARGS = cases.INPUTS
 
 
-def _case(name):
-    """Inputs of gla_bridge::fwd in the batched layout: (tensors by name, cu_seqlens, reverse)."""
-    gen = torch.Generator().manual_seed(sum(map(ord, name)))
-    r = lambda *s: torch.randn(*s, generator=gen)
-    gate = lambda *s: F.logsigmoid(r(*s) + 2)
-    B, T, H, Hk, K, V = 2, 5, 2, 2, 4, 3
-    cu, reverse = None, False
-    if name == "gk":
-        t = dict(gk=gate(B, T, H, K))
-    elif name == "g3d_gamma_seq_varlen":
-        B, T = 1, 7
-        cu = torch.tensor([0, 3, 7])
-        t = dict(g=gate(B, T, H), g_gamma=-torch.rand(2, H, generator=gen))
-    elif name == "gv_reverse_h0":
-        t = dict(gv=gate(B, T, H, V), initial_state=r(B, H, K, V))
-        reverse = True
-    else:  # grouped heads, with the key gate and the per-head g_gamma
-        H, Hk = 4, 2
-        t = dict(g=gate(B, T, H, K), g_gamma=-torch.rand(H, generator=gen))
-    t.update(q=r(B, T, H, K), k=r(B, T, Hk, K), v=r(B, T, Hk, V))
-    return t, cu, reverse
+C = partial(cases.Case, B=2, T=5, H=2, Hk=2, K=4, V=3)
+SPECS = {c.name: c for c in (
+    C("gk", gk=True),
+    C("g3d_gamma_seq_varlen", B=1, seqlens=(3, 4), g="head", g_gamma="seq"),
+    C("gv_reverse_h0", gv=True, initial_state=True, reverse=True),
+    C("grouped", H=4, Hk=2, g="key", g_gamma="head"),  # with the per-head g_gamma
+)}
+CASES = tuple(SPECS)
 
 
-CASES = ("gk", "g3d_gamma_seq_varlen", "gv_reverse_h0", "grouped")
+def _case(name, seed=None):
+    """Inputs of gla_bridge::fwd in the batched layout: (tensors by name, cu_seqlens,
+    reverse, {do, dfinal_state})."""
+    seed = sum(map(ord, name)) if seed is None else seed
+    t, cot = cases.split(cases.to_torch(cases.inputs(SPECS[name], seed)))
+    return t, t.pop("cu_seqlens", None), SPECS[name].reverse, cot
+
+
 OPCHECK = [(c, m) for c in CASES for m in ("torch", "fused_recurrent")] + [("grouped", "chunk")]
 # The interpreted chunk backward costs ~15 s a call here and opcheck's autograd tests call
 # it several times: chunk mode gets the schema and fake-tensor checks of the forward (the
@@ -59,7 +54,7 @@ def _np(x):
 def test_opcheck_and_oracle(name, mode):
     """opcheck (schema, fake tensors, autograd registration, aot_dispatch_dynamic) of both
     ops; their results against the float64 oracle."""
-    t, cu, reverse = _case(name)
+    t, cu, reverse, cot = _case(name)
     ins = [t.get(n) for n in ARGS]
     scale = 0.5
     fwd_args = [None if x is None else x.clone().requires_grad_() for x in ins]
@@ -77,8 +72,7 @@ def test_opcheck_and_oracle(name, mode):
     if mode == "chunk":
         return
 
-    gen = torch.Generator().manual_seed(1)
-    do, dfin = torch.randn(o.shape, generator=gen), torch.randn(fin.shape, generator=gen)
+    do, dfin = cot["do"], cot["dfinal_state"]
     bwd_args = [*ins, cu, fin, do, dfin, scale, reverse, mode]
     out = torch.library.opcheck(custom_ops.bwd, bwd_args, test_utils=CHEAP)
     assert set(out.values()) == {"SUCCESS"}, out
@@ -93,7 +87,7 @@ def test_opcheck_and_oracle(name, mode):
 def test_triton_op_bodies_match_the_ops():
     """The CUDA decomposition's triton_ops (launches through wrap_triton), run eagerly on
     CPU: the same results as gla_bridge::fwd / bwd. (Their compiled path needs a GPU.)"""
-    t, cu, reverse = _case("grouped")
+    t, cu, reverse, _ = _case("grouped")
     ins = [t.get(n) for n in ARGS]
     want = custom_ops.fwd(*ins, cu, 0.5, reverse, "fused_recurrent")
     got = custom_ops.triton_fwd(*ins, cu, 0.5, reverse, "fused_recurrent")
@@ -165,7 +159,7 @@ def test_compile_fullgraph_dynamic_T(cls, platform, backend):
 def test_compile_packed_varlen():
     """Packed inputs with cu_seqlens: still one graph (the contract does not read traced
     cu_seqlens values), and the compiled forward and backward equal eager."""
-    t, cu, _ = _case("g3d_gamma_seq_varlen")
+    t, cu, _, _ = _case("g3d_gamma_seq_varlen")
     t = {n: x[0] if x.dim() > 2 and n != "initial_state" else x for n, x in t.items()}
 
     def f(q, k, v, g, g_gamma, cu):
@@ -235,7 +229,7 @@ def test_autocast_bf16_layer_forward_backward(cls):
 def test_autocast_policy_on_the_op():
     """Under autocast, q/k/v reach the op in bf16 and gates and states in fp32 (the op's
     output and state show it); each input's gradient comes back in its own dtype."""
-    t, _, _ = _case("gv_reverse_h0")
+    t, _, _, _ = _case("gv_reverse_h0")
     t = {n: x.requires_grad_() for n, x in t.items()}
     t["gv"] = t["gv"].detach().bfloat16().requires_grad_()  # a bf16 gate goes up to fp32
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -260,12 +254,11 @@ def test_autocast_policy_on_the_op():
 def test_vmap_folds_into_the_batch(name):
     """torch.func.vmap over a leading axis (q, k, v and the gate mapped, the rest shared)
     equals a loop of calls."""
-    t, cu, reverse = _case(name)
+    t, cu, reverse, _ = _case(name)
     X = 3
-    gen = torch.Generator().manual_seed(8)
-    mapped = {n: torch.randn(X, *t[n].shape, generator=gen) for n in ("q", "k", "v")}
     gate = "gk" if name == "gk" else "g"
-    mapped[gate] = F.logsigmoid(torch.randn(X, *t[gate].shape, generator=gen))
+    mapped = {n: torch.stack([_case(name, seed=8 + i)[0][n] for i in range(X)])
+              for n in ("q", "k", "v", gate)}
     shared = {n: x for n, x in t.items() if n not in mapped}
 
     def f(q, k, v, gate_x):
@@ -279,7 +272,7 @@ def test_vmap_folds_into_the_batch(name):
 
 
 def test_vmap_over_cu_seqlens_is_refused():
-    t, cu, _ = _case("g3d_gamma_seq_varlen")
+    t, cu, _, _ = _case("g3d_gamma_seq_varlen")
     cus = torch.stack([cu, torch.tensor([0, 5, 7])])
     f = lambda c: custom_ops.fwd(t["q"], t["k"], t["v"], t["g"], None, None, None, None, c,
                                  0.5, False, "torch")

@@ -6,9 +6,7 @@ the final state (the same on every rank) and every gradient: token inputs slice 
 inputs every rank holds whole (initial_state, g_gamma) summed over the ranks. The final
 state's cotangent differs per rank, so the gradients through it must add up."""
 
-import os
-import sys
-import time
+from functools import partial
 
 import pytest
 
@@ -17,83 +15,40 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
-import torch.multiprocessing as mp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from parity import cases, spawn  # noqa: E402
 
 TIMEOUT_S = 240
 
 
-def launch(body, world, tmp_path):
-    """Run body(rank, world) on `world` gloo ranks; fail on any rank's error or after
-    TIMEOUT_S (the ranks are then killed, not left hanging)."""
-    init_file = str(tmp_path / "rendezvous")
-    ctx = mp.start_processes(_rank_main, args=(world, init_file, body), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{world} ranks did not finish in {TIMEOUT_S} s")
-
-
-def _rank_main(rank, world, init_file, body):
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
-        body(rank, world)
-        dist.barrier()  # no rank tears its connections down while another still uses them
-    finally:
-        dist.destroy_process_group()
-    # done: leave without interpreter finalization, where torch 2.13's gloo threads
-    # sometimes abort ("terminate called without an active exception"; README.md)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+def launch(body, world):
+    """body(rank, world) on `world` gloo ranks (parity.spawn); fails on any rank's error
+    or after TIMEOUT_S."""
+    spawn.gloo(body, world, timeout_s=TIMEOUT_S)
 
 
 def _close(name, got, want, rtol=2e-4, atol=2e-5):
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
-def _inputs(case, T, seed):
-    """Whole inputs (every rank draws the same), float32 (or case["dtype"]), gates <= 0."""
-    B, H, Hk, K, V = case["shape"]
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen)
-    gate = lambda *s: torch.nn.functional.logsigmoid(r(*s) + 2.0) * 0.5
-    lead = (T,) if case.get("packed") else (B, T)
-    x = dict(q=r(*lead, H, K), k=r(*lead, Hk, K), v=r(*lead, Hk, V))
-    gates = case["gates"]
-    if "g" in gates:
-        x["g"] = gate(*lead, H, K)
-    if "g_head" in gates:
-        x["g"] = gate(*lead, H)
-    if "gk" in gates:
-        x["gk"] = gate(*lead, H, K)
-    if "gv" in gates:
-        x["gv"] = gate(*lead, H, V)
-    N = B if case.get("cu") is None else len(case["cu"]) - 1
-    if "g_gamma" in gates:
-        x["g_gamma"] = -0.1 * torch.rand(H, generator=gen)
-    if "g_gamma_seq" in gates:
-        x["g_gamma"] = -0.1 * torch.rand(N, H, generator=gen)
-    if case.get("h0"):
-        x["initial_state"] = r(N, H, K, V)
-    dt = case.get("dtype", torch.float32)
-    return ({n: t.to(dt) for n, t in x.items()}, r(*lead, H, V).to(dt),
-            r(N, H, K, V).to(dt))
+def _inputs(case, seed, dtype=torch.float32):
+    """Whole inputs (every rank draws the same) in `dtype`, gates <= 0: (recurrent's
+    tensors by name, do, dfinal_state)."""
+    arrays = cases.cast(cases.inputs(case, seed), np.float64 if dtype == torch.float64
+                        else np.float32)
+    x = cases.to_torch(arrays)
+    return x, x.pop("do"), x.pop("dfinal_state")
 
 
 def _check_case(case, rank, world, group):
     from torch_side import ops
 
-    T = case["T_local"] * world
-    x, w_o, w_f = _inputs(case, T, seed=case["seed"])
+    spec = case["case"]
+    x, w_o, w_f = _inputs(spec, case["seed"], case.get("dtype", torch.float32))
     w_fs = [w_f * (r + 1) for r in range(world)]  # each rank's final-state cotangent
-    cu = None if case.get("cu") is None else torch.tensor(case["cu"], dtype=torch.int32)
-    kw = dict(reverse=case.get("reverse", False), cu_seqlens=cu, platform=case["platform"])
+    kw = dict(reverse=spec.reverse, cu_seqlens=x.pop("cu_seqlens", None),
+              platform=case["platform"])
 
     # the single-process reference on the whole inputs
     ref = {n: t.clone().requires_grad_() for n, t in x.items()}
@@ -101,15 +56,16 @@ def _check_case(case, rank, world, group):
     ((o * w_o).sum() + sum((f * w).sum() for w in w_fs)).backward()
 
     # this rank's slice of the time axis
-    tdim = 0 if case.get("packed") else 1
+    tdim = 0 if spec.packed else 1
     whole = ("g_gamma", "initial_state")
-    sl = slice(rank * case["T_local"], (rank + 1) * case["T_local"])
+    T_local = x["q"].shape[tdim] // world
+    sl = slice(rank * T_local, (rank + 1) * T_local)
     part = lambda t: t[sl] if tdim == 0 else t[:, sl]
     mine = {n: (t if n in whole else part(t)).clone().requires_grad_() for n, t in x.items()}
     o_cp, f_cp = ops.recurrent(**mine, **kw, context_group=group)
     ((o_cp * part(w_o)).sum() + (f_cp * w_fs[rank]).sum()).backward()
 
-    name = case["name"]
+    name = spec.name
     # float64 (the torch path computes in float64): the algorithm itself, to 1e-10
     tol = dict(rtol=1e-10, atol=1e-10) if case.get("dtype") == torch.float64 else {}
     _close(f"{name} o", o_cp, part(o.detach()), **tol)
@@ -126,35 +82,40 @@ def _check_case(case, rank, world, group):
 
 
 def _cases(world):
-    """Tiny cases; the cu_seqlens ones have sequences spanning ranks, starting exactly at
-    a slice edge, and empty."""
-    base = dict(shape=(2, 2, 1, 8, 6), T_local=12, platform="torch", seed=0)
+    """Tiny cases (12 tokens a rank; 4 for Triton); the cu_seqlens ones have sequences
+    spanning ranks, starting exactly at a slice edge, and empty."""
     tl = 12
     n = world * tl
     if world == 2:  # one sequence across the edge; one starting at it; empty ones
         span, edge = [0, 5, tl + 3, tl + 3, n - 1, n], [0, tl, tl, n - 2, n]
     else:  # one sequence over three ranks (the middle one holds no boundary)
         span, edge = [0, 5, tl + 3, tl + 3, n - 1, n], [0, 5, tl + 3, tl + 3, 2 * tl, n - 1, n]
-    cases = [
-        dict(base, name="key gate, gv, initial state", gates=("g", "gv"), h0=True),
-        dict(base, name="reverse, head gate, gk, g_gamma", gates=("g_head", "gk", "g_gamma"),
-             h0=True, reverse=True, seed=1),
-        dict(base, name="no gates", gates=(), seed=2),
-        dict(base, name="cu_seqlens spanning ranks", shape=(1, 2, 2, 8, 6),
-             gates=("g", "g_gamma_seq"), h0=True, cu=span, seed=3),
-        dict(base, name="cu_seqlens reverse, packed", shape=(1, 4, 2, 8, 6), packed=True,
-             gates=("gk", "gv"), h0=True, cu=edge, reverse=True, seed=4),
-        dict(base, name="float64, every gate, cu_seqlens", shape=(1, 2, 1, 8, 6),
-             gates=("g", "gk", "gv", "g_gamma_seq"), h0=True, cu=span, seed=7,
+    C = partial(cases.Case, B=2, T=n, H=2, Hk=1, K=8, V=6)
+    lens = lambda cu: tuple(np.diff(cu))  # noqa: E731
+    torch_cases = [
+        dict(case=C("key gate, gv, initial state", g="key", gv=True, initial_state=True),
+             seed=0),
+        dict(case=C("reverse, head gate, gk, g_gamma", g="head", gk=True, g_gamma="head",
+                    initial_state=True, reverse=True), seed=1),
+        dict(case=C("no gates"), seed=2),
+        dict(case=C("cu_seqlens spanning ranks", B=1, Hk=2, g="key", g_gamma="seq",
+                    initial_state=True, seqlens=lens(span)), seed=3),
+        dict(case=C("cu_seqlens reverse, packed", B=1, H=4, Hk=2, gk=True, gv=True,
+                    initial_state=True, seqlens=lens(edge), packed=True, reverse=True), seed=4),
+        dict(case=C("float64, every gate, cu_seqlens", B=1, g="key", gk=True, gv=True,
+                    g_gamma="seq", initial_state=True, seqlens=lens(span)), seed=7,
              dtype=torch.float64),
-        # the Triton kernels, interpreted: fused_recurrent for such short slices
-        dict(base, name="triton", shape=(1, 2, 1, 4, 4), T_local=4, platform="triton",
-             gates=("g", "gv"), h0=True, seed=5),
-        dict(base, name="triton cu_seqlens reverse", shape=(1, 2, 2, 4, 4), T_local=4,
-             platform="triton", gates=("g_head", "g_gamma"), h0=True, reverse=True,
-             cu=[0, 3, 4 * world - 2, 4 * world], seed=6),
     ]
-    return cases if world == 2 else [c for c in cases if c["platform"] == "torch"]
+    # the Triton kernels, interpreted: fused_recurrent for such short slices
+    triton_cases = [
+        dict(case=C("triton", B=1, T=4 * world, K=4, V=4, g="key", gv=True,
+                    initial_state=True), seed=5),
+        dict(case=C("triton cu_seqlens reverse", B=1, Hk=2, K=4, V=4, g="head",
+                    g_gamma="head", initial_state=True, reverse=True,
+                    seqlens=lens([0, 3, 4 * world - 2, 4 * world])), seed=6),
+    ]
+    out = [dict(c, platform="torch") for c in torch_cases]
+    return out + [dict(c, platform="triton") for c in triton_cases] if world == 2 else out
 
 
 def _check_errors(world, group):
@@ -181,8 +142,8 @@ def _context_worker(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_context_parallel_equals_one_process(world, tmp_path):
-    launch(_context_worker, world, tmp_path)
+def test_context_parallel_equals_one_process(world):
+    launch(_context_worker, world)
 
 
 def test_context_group_must_be_a_process_group():
@@ -204,10 +165,11 @@ def _dtensor_case(mesh, strategies, platform, seed, cu=None):
 
     from torch_side import ops
 
-    case = dict(shape=(2, 4, 2, 4, 4), gates=("g_head", "gv", "g_gamma_seq"), h0=True,
-                seed=seed, packed=cu is not None, cu=cu)
-    x, w_o, w_f = _inputs(case, 8, seed)
-    cu = None if cu is None else torch.tensor(cu)
+    case = cases.Case(B=2 if cu is None else 1, T=8, H=4, Hk=2, K=4, V=4, g="head", gv=True,
+                      g_gamma="seq", initial_state=True, packed=cu is not None,
+                      seqlens=None if cu is None else tuple(np.diff(cu)))
+    x, w_o, w_f = _inputs(case, seed)
+    cu = x.pop("cu_seqlens", None)
     ref = {n: t.clone().requires_grad_() for n, t in x.items()}
     o, f = ops.recurrent(**ref, cu_seqlens=cu, platform=platform)
     grads = torch.autograd.grad((o * w_o).sum() + (f * w_f).sum(), list(ref.values()))
@@ -252,8 +214,8 @@ def _dtensor_worker(rank, world):
         _dtensor_case(mesh, (strategy,), "torch", seed=21 + i, cu=[0, 3, 3, 7, 8])
 
 
-def test_dtensor_batch_head_time_equal_one_process(tmp_path):
-    launch(_dtensor_worker, 2, tmp_path)
+def test_dtensor_batch_head_time_equal_one_process():
+    launch(_dtensor_worker, 2)
 
 
 def _train(layer, x, y, steps, reduce_loss=None):
@@ -326,5 +288,5 @@ def _layer_worker(rank, world):
     _close("Lightning context-parallel", cp(x[:, t]), light(x)[:, t].detach())
 
 
-def test_layer_trains_under_ddp_and_fsdp2_like_one_process(tmp_path):
-    launch(_layer_worker, 2, tmp_path)
+def test_layer_trains_under_ddp_and_fsdp2_like_one_process():
+    launch(_layer_worker, 2)

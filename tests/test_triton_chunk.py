@@ -28,9 +28,7 @@ BATCHED = ("q", "k", "v", "g", "gk", "gv", "do")  # given packed as [total, H, *
 def run_chunk(case, arrays, dtype, use_dht=True):
     """{o, final_state, d<input>} from the chunk launch lists, as float32 NumPy
     in each input's shape."""
-    t = {n: torch.from_numpy(np.ascontiguousarray(a)) for n, a in arrays.items()}
-    for n in ("q", "k", "v", "do"):
-        t[n] = t[n].to(getattr(torch, dtype))
+    t = cases.to_torch(arrays, getattr(torch, dtype))
     plan = contract.check(**{n: x for n, x in cases.call_kwargs(case, t).items()})
     env = {n: (x.reshape((1,) + tuple(x.shape)) if plan.packed and n in BATCHED else x)
            for n, x in t.items()}
@@ -248,8 +246,7 @@ def test_autotuned_launch_matches_the_plan_config(monkeypatch):
 
     case = C("tuned", T=70, H=2, Hk=1, K=8, V=8, g="key", gv=True, g_gamma="seq",
              initial_state=True)
-    arrays = backends.prepared(case, "float32", 0)
-    t = {n: torch.from_numpy(np.ascontiguousarray(a)) for n, a in arrays.items()}
+    t = cases.to_torch(cases.inputs(case))
     plan = contract.check(**cases.call_kwargs(case, t))
     launches = chunk.forward_launches(plan) + chunk.backward_launches(plan, True)
 
@@ -285,9 +282,8 @@ def test_float64_inputs(mode):
     import torch_side
     from parity import oracle
 
-    rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((1, 70, 2, 8)) for _ in range(3))
-    g = -rng.uniform(0.01, 0.5, (1, 70, 2, 8))
+    _, x = cases.make(T=70, g="key")
+    q, k, v, g = (cases.cast(x, np.float64)[n] for n in ("q", "k", "v", "g"))
     t = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, v, g)]
     o, s = torch_side.recurrent_gla(*t, platform="triton", mode=mode)
     o.sum().backward()
@@ -317,7 +313,7 @@ def test_unknown_family_and_compiled_cpu_launch_are_named_errors(monkeypatch):
     case = cases.Case("cpu-compiled", H=2, Hk=2, K=16, V=16)
     a = cases.inputs(case)
     plan = contract.check(a["q"], a["k"], a["v"])
-    t = {n: torch.from_numpy(a[n]) for n in ("q", "k", "v")}
+    t = cases.to_torch({n: a[n] for n in ("q", "k", "v")})
     monkeypatch.setattr(kernels, "INTERPRETED", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         torch_runner.run(kernels.family("chunk").forward_launches(plan), t)

@@ -195,7 +195,7 @@ def test_errors_before_any_kernel():
 
 def test_named_variants_match_recurrent():
     arrays = cases.inputs(cases.Case("named", H=4, Hk=2, g="key"), seed=3)
-    t = {n: torch.from_numpy(a) for n, a in arrays.items()}
+    t = cases.to_torch(arrays)
     kw = dict(platform="triton", mode="fused_recurrent")
     o_gla, s_gla = torch_side.recurrent_gla(t["q"], t["k"], t["v"], g=t["g"], **kw)
     want_o, want_s = oracle.recurrent(arrays["q"], arrays["k"], arrays["v"], g=arrays["g"])
