@@ -184,9 +184,10 @@ def _slabbed(plan, inputs, C):
 
 def streamed(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial_state=None,
              chunk_size=64, slab=None):
-    """The forward alone (no cu_seqlens, no gv) as the slab scan of `Slabs`, not
-    differentiable (the custom VJP lives in `_slabbed`). Same arguments and results as
-    `recurrent_xla`; `slab`: chunks a scan step (default SLAB_TOKENS tokens)."""
+    """The forward alone (no cu_seqlens, no gv) as the slab scan of `Slabs` (autodiff of
+    it would keep every slab's terms: recurrent_xla differentiates `_slabbed`). Same
+    arguments and results as `recurrent_xla`; `slab`: chunks a scan step (default
+    SLAB_TOKENS tokens)."""
     geo = Slabs(plan, chunk_size, slab)
     return geo.unpad(*geo.forward(*geo.inputs(q, k, v, g, gk, g_gamma, initial_state))[:2])
 
