@@ -11,13 +11,14 @@ overflow) and no long running sums are subtracted (scan-level precision).
 The in-chunk part for key-dim gates without gv (the GLA case), in float32,
 has a hand-written backward (xla_intra.py: about 1.5x faster than autodiff of
 the tree); everything else, and float64 (forward-mode checks), is JAX
-autodiff. Nothing per step is kept, and `jax.checkpoint` did not lower XLA's
-peak memory here, so it is not used.
+autodiff of `all_chunks`.
 
-Where that backward is a custom VJP anyway (key-dim gates without gv, no cu_seqlens),
-a forward that is not differentiated takes `streamed` instead: a scan over slabs of
-chunks straight from the token layout, with the in-chunk weights built in one pass
-over 16-blocks (xla_intra.block_p), so its memory is the output plus one slab.
+Where the derivative is a custom VJP anyway (key-dim gates without gv, no cu_seqlens),
+`Slabs` runs instead: a scan over slabs of chunks straight from the token layout into
+the output, the in-chunk weights of a forward built in one pass over 16-blocks
+(xla_intra.block_p). Its memory is the output plus one slab; differentiated, it also
+keeps each slab's entering state, and the backward recomputes the slabs in reverse
+(fwd+bwd temporaries: about 0.1x of differentiating `all_chunks` at T=4096).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from .xla_intra import forward_p, key_intra, tree_p
 # ~10% faster than 64 here: half the in-chunk FLOPs per token) and tokens per scan step
 STREAM_CHUNK = 32
 SLAB_TOKENS = 256
+BWD_CHUNK = 32  # the backward's chunk (it recomputes each slab)
 STEP_T = 4  # at most this many tokens a row (decoding) run step by step, without chunks
 
 
@@ -123,8 +125,7 @@ def recurrent_xla(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial
     if not plan.varlen and 0 < plan.T <= STEP_T:
         return stepwise(plan, q, k, v, g, gk, gv, g_gamma, initial_state)
     if not plan.varlen and has_custom_vjp(plan):
-        return _streamed_or_batched(plan, (q, k, v, g, gk, gv, g_gamma, initial_state),
-                                    chunk_size)
+        return _slabbed(plan, (q, k, v, g, gk, gv, g_gamma, initial_state), chunk_size)
     return all_chunks(plan, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, chunk_size)
 
 
@@ -159,86 +160,154 @@ def stepwise(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial_stat
     return jnp.stack(o, 1).astype(plan.dtype), S
 
 
-def _streamed_or_batched(plan, inputs, C):
-    """The value from `streamed` (one chunk at a time: no full-size temporaries), the
-    derivative from `all_chunks` (all chunks at once, its residuals kept for the backward).
-    Only where the derivative is a custom VJP anyway (no forward mode is lost)."""
-    present = [i for i, x in enumerate(inputs) if x is not None]
-
-    def full(xs):
-        args = [None] * len(inputs)
-        for i, x in zip(present, xs):
-            args[i] = x
-        return args
+def _slabbed(plan, inputs, C):
+    """recurrent_xla for key-dim gates without gv (no cu_seqlens), differentiable with
+    bounded memory: the value from the slab scan (`Slabs.forward`), which keeps only
+    each slab's entering state [S, B, H, K, V] for the backward; the backward
+    (`Slabs.backward`) walks the slabs in reverse and recomputes each slab's terms there,
+    so its temporaries are one slab's, not the whole sequence's."""
+    q, k, v, g, gk, _, g_gamma, initial_state = inputs
+    geo = Slabs(plan, C)
+    h0, seqs, gam = geo.inputs(q, k, v, g, gk, g_gamma, initial_state)
 
     @jax.custom_vjp
-    def run(*xs):
-        return streamed(plan, *full(xs), chunk_size=C)
+    def run(h0, seqs, gam):
+        return geo.forward(h0, seqs, gam)[:2]
 
-    def fwd(*xs):
-        out, vjp = jax.vjp(lambda *ys: all_chunks(plan, *full(ys), None, C), *xs)
-        return out, vjp  # a pytree (jax.tree_util.Partial) of the residuals
+    def fwd(h0, seqs, gam):
+        o, fin, states = geo.forward(h0, seqs, gam, keep=True)
+        return (o, fin), (states, seqs, gam)
 
-    run.defvjp(fwd, lambda vjp, ct: vjp(ct))
-    return run(*(inputs[i] for i in present))
+    run.defvjp(fwd, lambda res, ct: geo.backward(*res, *ct))
+    return geo.unpad(*run(h0, seqs, gam))
 
 
 def streamed(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial_state=None,
              chunk_size=64, slab=None):
-    """The forward alone (no cu_seqlens): `slab` chunks of STREAM_CHUNK tokens (default:
-    SLAB_TOKENS tokens in all) of every row and head per `lax.scan` step, read straight
-    from the token layout and written into the output in place: besides the output and
-    the state, only one slab's temporaries are live, and each step's ops are large enough
-    that XLA's per-op cost stays small. Same arguments and results as `recurrent_xla`."""
-    ct = jnp.float64 if plan.dtype == "float64" else jnp.float32
-    C = min(chunk_size, STREAM_CHUNK)
-    B, T, H, K, V, G = plan.B, plan.T, plan.H, plan.K, plan.V, plan.group
-    n = slab or max(1, SLAB_TOKENS // C)
-    n = min(n, max(1, -(-T // C)))
-    W = n * C  # tokens a step
-    S = max(1, -(-T // W))
-    f = lambda x: None if x is None else jnp.asarray(x)
-    q, k, v, g, gk = map(f, (q, k, v, g, gk))
-    if plan.g == "head":
-        g = g[..., None]
-    seqs = [x for x in (q, k, v, g, gk) if x is not None]
-    if S * W != T:  # zero tokens (gate 0) at the end leave o and the state unchanged
-        pad = lambda x: jnp.pad(x, ((0, 0), (S * W - T if plan.reverse else 0,
-                                             0 if plan.reverse else S * W - T), (0, 0), (0, 0)))
-        seqs = [pad(x) for x in seqs]
-    gam = None
-    if plan.g_gamma != "none":
-        gam = jnp.asarray(g_gamma, ct)
-        gam = (gam if plan.g_gamma == "seq" else jnp.broadcast_to(gam, (B, H)))
-        gam = gam[:, :, None, None, None]
-    # the chunk scan's initial carry: the state [B, H, K, V] and the output buffer
-    h0 = (jnp.asarray(initial_state, ct) if plan.initial_state
-          else jnp.zeros((B, H, K, V), ct))
-    # inside shard_map (check_vma) the buffer the scan writes into varies like the inputs
-    o0 = vary(jnp.zeros((B, S * W, H, V), plan.dtype), varying(h0, *seqs))
+    """The forward alone (no cu_seqlens, no gv) as the slab scan of `Slabs` (autodiff of
+    it would keep every slab's terms: recurrent_xla differentiates `_slabbed`). Same
+    arguments and results as `recurrent_xla`; `slab`: chunks a scan step (default
+    SLAB_TOKENS tokens)."""
+    geo = Slabs(plan, chunk_size, slab)
+    return geo.unpad(*geo.forward(*geo.inputs(q, k, v, g, gk, g_gamma, initial_state))[:2])
 
-    def start(c):  # first token of step c's slab in the (padded) token layout
-        return (S - 1 - c if plan.reverse else c) * W
 
-    def chunks(x, c):
-        """[B, S*W, h, D] -> step c's slab [B, H, n, C, D] in processing order."""
-        x = lax.dynamic_slice_in_dim(x, start(c), W, axis=1)
-        x = jnp.flip(x, 1) if plan.reverse else x
-        x = x.astype(ct).reshape(B, n, C, *x.shape[2:]).transpose(0, 3, 1, 2, 4)
-        return jnp.repeat(x, G, axis=1) if G > 1 and x.shape[1] != H else x
+class Slabs:
+    """The slab scan (no cu_seqlens; key-side gates, no gv): `n` chunks of C tokens
+    (C = min(chunk_size, STREAM_CHUNK)) of every row and head per `lax.scan` step, read
+    straight from the (padded) token layout [B, S*W, h, D] and written into the output
+    in place. Besides the output and the state, only one slab's temporaries are live,
+    and each step's ops are large enough that XLA's per-op cost stays small."""
 
-    def step(carry, c):
-        s, out = carry
-        xs = iter(chunks(x, c) for x in seqs)
-        cq, ck, cv = next(xs) * plan.scale, next(xs), next(xs)
-        a = list(xs)
+    def __init__(self, plan, chunk_size, slab=None):
+        self.plan = plan
+        self.ct = jnp.float64 if plan.dtype == "float64" else jnp.float32
+        self.C = C = min(chunk_size, STREAM_CHUNK)
+        n = slab or max(1, SLAB_TOKENS // C)
+        self.n = n = min(n, max(1, -(-plan.T // C)))
+        self.W = W = n * C  # tokens a step
+        self.S = max(1, -(-plan.T // W))
+        # the backward's chunks: larger ones where they tile the slab
+        cb = min(chunk_size, BWD_CHUNK)
+        self.Cb = cb if W % cb == 0 else C
+
+    def inputs(self, q, k, v, g, gk, g_gamma, initial_state):
+        """(h0 [B,H,K,V], seqs: q, k, v and the present key-side gates in the padded
+        token layout [B, S*W, h, D], gam [B, H] or None), in the scan's dtypes."""
+        plan, ct, T, SW = self.plan, self.ct, self.plan.T, self.S * self.W
+        B, H, K, V = plan.B, plan.H, plan.K, plan.V
+        f = lambda x: None if x is None else jnp.asarray(x)
+        q, k, v, g, gk = map(f, (q, k, v, g, gk))
+        if plan.g == "head":
+            g = g[..., None]
+        seqs = tuple(x for x in (q, k, v, g, gk) if x is not None)
+        if SW != T:  # zero tokens (gate 0) at the end leave o and the state unchanged
+            end = ((SW - T, 0) if plan.reverse else (0, SW - T))
+            seqs = tuple(jnp.pad(x, ((0, 0), end, (0, 0), (0, 0))) for x in seqs)
+        gam = None
+        if plan.g_gamma != "none":
+            gam = jnp.asarray(g_gamma, ct)
+            gam = gam if plan.g_gamma == "seq" else jnp.broadcast_to(gam, (B, H))
+        h0 = (jnp.asarray(initial_state, ct) if plan.initial_state
+              else jnp.zeros((B, H, K, V), ct))
+        return h0, seqs, gam
+
+    def unpad(self, o, fin):
+        T, SW = self.plan.T, self.S * self.W
+        return (o[:, SW - T:] if self.plan.reverse else o[:, :T]), fin
+
+    def start(self, c):
+        """First token of step c's slab in the padded token layout."""
+        return (self.S - 1 - c if self.plan.reverse else c) * self.W
+
+    def take(self, x, c):
+        return lax.dynamic_slice_in_dim(x, self.start(c), self.W, axis=1)
+
+    def put(self, buf, x, c):
+        return lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), self.start(c), axis=1)
+
+    def forward(self, h0, seqs, gam, keep=False):
+        """(o [B, S*W, H, V], final state, the state entering each step [S, B, H, K, V]
+        if `keep` else None)."""
+        plan = self.plan
+        # inside shard_map (check_vma) the buffer the scan writes into varies like the inputs
+        o0 = vary(jnp.zeros((plan.B, self.S * self.W, plan.H, plan.V), plan.dtype),
+                  varying(h0, *seqs, gam))
+
+        def step(carry, c):
+            s, out = carry
+            o, s_out = self.step(s, [self.take(x, c) for x in seqs], gam, c, self.C, False)
+            return (s_out, self.put(out, o, c)), (s if keep else None)
+
+        (fin, o), states = lax.scan(step, (h0, o0), jnp.arange(self.S))
+        return o, fin, states
+
+    def backward(self, states, seqs, gam, do, dfin):
+        """Cotangents (h0, seqs, gam) from those of forward's (o, final state): a reverse
+        scan over the slabs, each recomputed from its entering state (`jax.vjp` of `step`
+        with the in-chunk part's hand-written backward), its cotangents written in place."""
+        axes = varying(states, do, dfin, *seqs, gam)
+        bufs = tuple(vary(jnp.zeros_like(x), axes) for x in seqs)
+        dgam = None if gam is None else vary(jnp.zeros_like(gam), axes)
+        ds = vary(dfin.astype(self.ct), axes)
+
+        def step(carry, c):
+            ds, bufs, dgam = carry
+            f = lambda s, xs, gam: self.step(s, xs, gam, c, self.Cb, True)
+            _, pull = jax.vjp(f, states[c], [self.take(x, c) for x in seqs], gam)
+            ds, dxs, dg = pull((self.take(do, c).astype(self.ct), ds))
+            bufs = tuple(self.put(b, d, c) for b, d in zip(bufs, dxs))
+            return (ds, bufs, None if gam is None else dgam + dg), None
+
+        (dh0, bufs, dgam), _ = lax.scan(step, (ds, bufs, dgam), jnp.arange(self.S),
+                                        reverse=True)
+        return dh0, bufs, dgam
+
+    def step(self, s, xs, gam, c, C, differentiable):
+        """Step c's slab: s [B,H,K,V] entering, xs its token-layout slices [B, W, h, D]
+        (q, k, v, gates), in C-token chunks -> (o [B, W, H, V], the state after it).
+        `differentiable`: the in-chunk part through key_intra (its hand-written VJP),
+        else the forward-only weights (forward_p)."""
+        plan, ct, W = self.plan, self.ct, self.W
+        B, H, K, V, G = plan.B, plan.H, plan.K, plan.V, plan.group
+        n = W // C
+
+        def chunks(x):
+            """[B, W, h, D] -> [B, H, n, C, D] in processing order."""
+            x = jnp.flip(x, 1) if plan.reverse else x
+            x = x.astype(ct).reshape(B, n, C, *x.shape[2:]).transpose(0, 3, 1, 2, 4)
+            return jnp.repeat(x, G, axis=1) if G > 1 and x.shape[1] != H else x
+
+        cq, ck, cv, *a = (chunks(x) for x in xs)
+        cq = cq * plan.scale
         if gam is not None:
             pos = c * W + jnp.arange(W).reshape(n, C, 1)
-            a.append(jnp.broadcast_to(gam * (pos < T), (B, H, n, C, 1)))
+            a.append(jnp.broadcast_to(gam[:, :, None, None, None] * (pos < plan.T),
+                                      (B, H, n, C, 1)))
         a = sum(a[1:], a[0])
         cq, ck, cv, a = (x.reshape(B * H * n, C, x.shape[-1]) for x in (cq, ck, cv, a))
-        ka = local(a)  # as _chunk_terms, without a backward to prepare for
-        o = forward_p(cq, ck, ka) @ cv
+        ka = local(a)
+        o = key_intra(cq, ck, cv, a) if differentiable else forward_p(cq, ck, ka) @ cv
         into, after = spans(*ka, C)
         q_in, dA = cq * jnp.exp(into), jnp.exp(jnp.sum(ka[2], 1))
         u = jnp.einsum("zck,zcv->zkv", ck * jnp.exp(after), cv)
@@ -251,12 +320,7 @@ def streamed(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial_stat
         o = o.reshape(B * H, n, C, V) + jnp.einsum(
             "znck,znkv->zncv", q_in.reshape(B * H, n, C, K), jnp.stack(entering, 1))
         o = o.reshape(B, H, W, V).transpose(0, 2, 1, 3)
-        o = jnp.flip(o, 1) if plan.reverse else o
-        out = lax.dynamic_update_slice_in_dim(out, o.astype(out.dtype), start(c), axis=1)
-        return (s.reshape(B, H, K, V), out), None
-
-    (fin, o), _ = lax.scan(step, (h0, o0), jnp.arange(S))
-    return (o[:, S * W - T:] if plan.reverse else o[:, :T]), fin
+        return (jnp.flip(o, 1) if plan.reverse else o), s.reshape(B, H, K, V)
 
 
 def all_chunks(plan, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, chunk_size):
