@@ -333,16 +333,7 @@ def all_chunks(plan, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, chu
 
     q = lay.chunks(f(q) * plan.scale)
     k, v = lay.chunks(heads(k)), lay.chunks(heads(v))
-    a = None  # key-side log decay per token [S,R,H,C,K or 1]
-    if plan.g != "none":
-        a = lay.chunks(f(g) if plan.g == "key" else f(g)[..., None])
-    if plan.gk:
-        a = lay.chunks(f(gk)) if a is None else a + lay.chunks(f(gk))
-    if plan.g_gamma != "none":
-        gam = f(g_gamma)
-        gam = gam[lay.seq] if plan.g_gamma == "seq" else jnp.broadcast_to(gam, (lay.R, H))
-        gam = gam[..., None, None] * lay.valid  # padding positions must not decay
-        a = gam if a is None else a + gam
+    a = lay.key_decay(plan, g, gk, g_gamma, ct)  # [S,R,H,C,K or 1]
     if a is None:
         a = jnp.zeros((lay.S, lay.R, H, chunk_size, 1), ct)
     b = lay.chunks(f(gv)) if plan.gv else None

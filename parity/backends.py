@@ -14,8 +14,7 @@ import numpy as np
 from bridge.grads import INPUTS as GRAD_NAMES
 
 from . import cases
-
-ACTIVATIONS = ("q", "k", "v", "do")  # given in the tested dtype; gates and states stay fp32
+from .cases import ACTIVATIONS
 
 
 def round_to(a: np.ndarray, dtype: str) -> np.ndarray:

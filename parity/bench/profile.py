@@ -3,8 +3,9 @@ issue 19's streamed forwards.
 
     python -m parity.bench.profile FRAMEWORK OUT.json [--quick]
 
-JAX: each stage of the all-chunks forward (the forward before issue 19, still the one
-that is differentiated) jitted alone on its real inputs (chunk layout, 64-token chunks),
+JAX: each stage of the all-chunks forward (the forward before issue 19; still the one
+differentiated with cu_seqlens, gv or float64, and the in-chunk step the slab backward
+recomputes) jitted alone on its real inputs (chunk layout, 64-token chunks),
 the 16-block in-chunk weights that replaced the tree, and the whole forwards. torch: the
 operators with the most self time (torch.profiler) in the forward that keeps what a
 backward reads (what the forward op ran before issue 19) and in the one that streams slabs.
