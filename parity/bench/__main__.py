@@ -126,9 +126,9 @@ def main(argv=None):
 
         return refresh(args, "multidevice", multidevice.run)
     if args.decode:
-        from . import decode
+        from .decode import run as run_decode
 
-        return refresh(args, "decode", lambda: decode.run(print))
+        return refresh(args, "decode", lambda: run_decode(print))
     _reexec_with_malloc_env(argv)
 
     import torch
