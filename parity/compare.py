@@ -28,6 +28,15 @@ def tolerance(dtype: str) -> float:
     return TOLERANCE[dtype]
 
 
+def assert_close(errs: dict, dtype: str = "float32", tol: float = None):
+    """Raise AssertionError naming every error of `errs` ({quantity: relative error})
+    above `tol`, by default `dtype`'s tolerance."""
+    tol = tolerance(dtype) if tol is None else tol
+    bad = {k: v for k, v in errs.items() if not v <= tol}
+    if bad:
+        raise AssertionError(f"relative errors above {tol}: {bad} (all: {errs})")
+
+
 def errors(got: dict, want: dict, gate_grad_floor: float = 0.0) -> dict:
     """{quantity: relative error} over every quantity either side has (a
     quantity only one side has counts as inf). Gate gradients are measured

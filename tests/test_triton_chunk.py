@@ -18,7 +18,7 @@ import bridge.kernels  # noqa: E402,F401  (decides the interpreter before triton
 from bridge import contract, dispatch, grads, torch_runner  # noqa: E402
 from bridge.kernels import chunk, common  # noqa: E402
 from parity import backends, cases  # noqa: E402
-from parity.compare import errors, rel_err, tolerance  # noqa: E402
+from parity.compare import assert_close, errors, rel_err, tolerance  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 ORACLE = backends.Oracle()
@@ -56,11 +56,6 @@ def run_case(case, dtype="float32", seed=0, use_dht=True):
     want = ORACLE.run(case, arrays, dtype)
     assert set(got) == set(want), (sorted(got), sorted(want))
     return errors(got, want, case.gate_grad_floor)
-
-
-def assert_close(errs, dtype):
-    bad = {k: v for k, v in errs.items() if not v <= tolerance(dtype)}
-    assert not bad, f"relative errors above {tolerance(dtype)}: {bad} (all: {errs})"
 
 
 C = cases.Case

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 import torch_side  # noqa: E402  (decides the interpreter before triton is imported)
 from parity import backends, cases, oracle  # noqa: E402
-from parity.compare import errors, rel_err, tolerance  # noqa: E402
+from parity.compare import assert_close, errors, rel_err  # noqa: E402
 
 TRITON = backends.TorchBackend("triton", "fused_recurrent")
 ORACLE = backends.Oracle()
@@ -40,11 +40,6 @@ def run_case(case, dtype="float32", seed=0, through=("o", "final_state"), transf
     """{quantity: relative error} of the kernel against the oracle."""
     got, want = run_both(case, dtype, seed, through, transform)
     return errors(got, want, case.gate_grad_floor)
-
-
-def assert_close(errs, dtype):
-    bad = {k: v for k, v in errs.items() if not v <= tolerance(dtype)}
-    assert not bad, f"relative errors above {tolerance(dtype)}: {bad} (all: {errs})"
 
 
 @pytest.mark.parametrize("case", cases.FEATURES, ids=lambda c: c.name)
