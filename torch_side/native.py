@@ -2,11 +2,15 @@
 
 Every sequence (a batch row or a `cu_seqlens` segment) is cut into chunks of C
 tokens in processing order (backwards with `reverse`), and the chunks of all
-sequences are stacked into one batch of "slots" [H, M, C, D]. Everything inside
-a chunk is batched matmuls over all slots; only the K x V state recurrence runs
-sequentially, one step per chunk position, over the sequences still active
-there. Forward and backward of that core are written by hand (autograd would
-zero-fill and copy far more); relayout and gate sums around it use autograd.
+sequences are stacked into "slots" [H, M, C, D], ordered by chunk position ("step").
+Everything inside a chunk is batched matmuls over the slots; only the K x V state
+recurrence runs sequentially, one step per chunk position, over the sequences still
+active there. The slots are processed a slab of consecutive steps at a time, gathered
+straight from the token-layout inputs and scattered straight into the outputs, so
+memory is the outputs plus one slab's workspace. Forward and backward are written
+by hand. The backward first runs the state recurrence alone to get the state entering
+every slab, then walks the slabs in reverse order: each recomputes its forward from
+its entering state and passes the gradient of that state on to the slab before it.
 
 Precision: the decay between tokens j <= i of a chunk is exp(gates summed over
 (j, i]). Exponents are always sums of the gates they span, never differences of
@@ -28,10 +32,13 @@ import torch
 
 SUB = 16  # widest block
 LIMIT = 30.0  # largest |log decay| an in-block factor may carry (exp(30) ~ 1e13)
-# Elements of one slab input [H, slots, C, D] of the forward without autograd, at most:
-# it holds ~20 such arrays besides its output, so a slab input is also kept below 1/16 of
-# the output (down to SLAB // 4); fewer, larger slabs cost less per op
+# Elements of one slab input [H, slots, C, D], at most: a forward slab holds ~20 such
+# arrays besides its output, so a slab input is also kept below 1/SHARE of the output
+# (down to SLAB // 4); fewer, larger slabs cost less per op. A backward slab may be BACK
+# times larger (its memory is mostly the gradients).
 SLAB = 1 << 18
+SHARE = 32
+BACK = 4
 STEP_T = 4  # at most this many tokens a row (decoding) run step by step, without chunks
 
 
@@ -42,8 +49,8 @@ def _table(cu: tuple, C: int, reverse: bool):
     Sequences are ranked by chunk count, longest first; slots are ordered by chunk
     position ("step"), then rank, so the sequences active at step c are ranks
     [0, cnt[c]) and their slots are contiguous. tok [M*C]: token read by each slot
-    position (0 at padding); mask [M, C, 1] (None without padding); inv [L]: slot
-    position of each token; seq [M]: sequence of each slot; order/unorder: rank <-> sequence.
+    position (0 at padding); mask [M, C, 1] (None without padding); seq [M]: sequence
+    of each slot; order/unorder: rank <-> sequence.
     """
     cu = np.asarray(cu, dtype=np.int64)
     lens = np.diff(cu)
@@ -55,55 +62,10 @@ def _table(cu: tuple, C: int, reverse: bool):
     pos = step[:, None] * C + np.arange(C)
     valid = pos < lens[seq][:, None]
     tok = np.where(valid, cu[seq + 1][:, None] - 1 - pos if reverse else cu[seq][:, None] + pos, 0)
-    inv = np.zeros(int(cu[-1]), dtype=np.int64)
-    inv[tok[valid]] = np.flatnonzero(valid)
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-    # equal lengths in whole chunks, forwards: the relayout is a plain transpose
-    plain = not reverse and len(lens) and (lens == lens[0]).all() and lens[0] % C == 0
-    return dict(tok=t(tok.reshape(-1)), inv=t(inv), seq=t(seq), cnt=active.sum(1).tolist(),
+    return dict(tok=t(tok.reshape(-1)), seq=t(seq), cnt=active.sum(1).tolist(),
                 order=t(order), unorder=t(np.argsort(order)), M=len(seq),
-                mask=None if valid.all() else torch.from_numpy(valid[..., None]),
-                plain=(len(lens), int(lens[0]) // C) if plain else None)
-
-
-def _to_chunks(x, tab, C):
-    """[L, h, D] -> [h, M, C, D], zero at padding."""
-    if tab["plain"]:
-        y = x.view(*tab["plain"], C, *x.shape[1:]).permute(3, 1, 0, 2, 4)
-        return y.reshape(x.shape[1], -1, C, x.shape[2])
-    y = x.transpose(0, 1).index_select(1, tab["tok"]).unflatten(1, (-1, C))
-    return y if tab["mask"] is None else y.mul_(tab["mask"])
-
-
-def _to_tokens(y, tab):
-    """[h, M, C, D] -> [L, h, D]."""
-    if tab["plain"]:
-        h, M, C, D = y.shape
-        y = y.view(h, tab["plain"][1], tab["plain"][0], C, D)
-        return y.permute(2, 1, 3, 0, 4).reshape(-1, h, D)
-    return y.flatten(1, 2).transpose(0, 1).index_select(0, tab["inv"])
-
-
-class _Relayout(torch.autograd.Function):
-    """Token layout [L, h, D] <-> slot layout [h, M, C, D]: a permutation plus padding, so
-    each direction's gradient is the other direction (no scatter)."""
-
-    @staticmethod
-    def forward(ctx, x, tab, C, to_chunks, scale=1.0):
-        ctx.tab, ctx.C, ctx.to_chunks, ctx.scale = tab, C, to_chunks, scale
-        return _Relayout.move(x, tab, C, to_chunks, scale)
-
-    @staticmethod
-    def backward(ctx, g):
-        dx = _Relayout.move(g, ctx.tab, ctx.C, not ctx.to_chunks, ctx.scale)
-        return dx, None, None, None, None
-
-    @staticmethod
-    def move(x, tab, C, to_chunks, scale):
-        y = _to_chunks(x, tab, C) if to_chunks else _to_tokens(x, tab)
-        if y.data_ptr() == x.data_ptr():  # a view (B == 1): a contiguous copy, never an alias
-            y = y.clone(memory_format=torch.contiguous_format)
-        return y.mul_(scale) if scale != 1.0 else y
+                mask=None if valid.all() else torch.from_numpy(valid[..., None]))
 
 
 def _excl_cumsum(x, dim, reverse=False):
@@ -232,105 +194,107 @@ def _cross(R, Z, w):
     return y.flatten(-3, -2)
 
 
-class _Chunked(torch.autograd.Function):
-    """The recurrence on slot-layout tensors, forward and backward by hand.
-
-    q [H,M,C,K] (scaled), k [H,M,C,K], v [H,M,C,V], a [H,M,C,K|1] or None, b [H,M,C,V] or
-    None, h0 [H,N,K,V] in rank order. Returns o [H,M,C,V] and the final states [H,N,K,V]
-    (rank order). Zero padding tokens (gate 0) leave the state unchanged.
+def _backward(saved, w, levels, cnt, do, dfin):
+    """The gradients of _forward's inputs from what it saved: (dq, dk, dv, da, db, dh0) on
+    slot-layout tensors; do [H,M,C,V] the output's gradient (0 at padding), dfin the final
+    states' [H,N,K,V] (rank order; for a slab, its carry's first, see _forward).
 
     Gate gradients use d/dA_i = q_i dq_i - k_i dk_i (A_i: gates summed through i), summed
     over i >= t, but with every pair that does not straddle t left out analytically (the
     token's own k_i v_i term and the update's keys after t): what remains is only decayed
     terms, so strong gates give small gradients with small absolute errors.
     """
+    q, k, v, qa, kb, qc, vb, qi, ku, vu, Pd, Pii, starts, o, *rest = saved
+    A = _Side(*rest[0:3]) if rest[0] is not None else _NoSide()
+    B = _Side(*rest[3:6]) if rest[3] is not None else _NoSide()
+    Ps = rest[6:]
+    blocks = lambda x: x.unflatten(-2, (-1, w))
+    dod, doa = _blk(do, B.eb, w, True), _blk(do, B.ea, w)
 
-    @staticmethod
-    def forward(ctx, q, k, v, a, b, h0, cnt):
-        o, fin, _, saved, (w, levels) = _forward(q, k, v, a, b, h0, cnt)
-        ctx.w, ctx.levels, ctx.cnt = w, levels, cnt
-        ctx.save_for_backward(*saved)
-        return o, fin
+    # diagonal blocks (with key gates, own terms apart)
+    dP = _mm(blocks(dod), blocks(vb).mT).tril_(-1 if A.ea is not None else 0)
+    dq_d = _mm(dP, blocks(kb))
+    dk, dv = _mm(dP.mT, blocks(qc)).flatten(-3, -2), _mm(Pd.mT, blocks(dod)).flatten(-3, -2)
+    # chunk level: the state recurrence backwards; *_u: through the chunk updates
+    doi = B.chunk(doa, 1)
+    decay = _decay(A, B)
+    G, dh0 = _recur_back(_mm(qi.mT, doi), decay, dfin, cnt)
+    dq = A.chunk(_mm(doi, starts.mT), 1, inplace=True)
+    dk_u = _blk(A.chunk(_mm(vu, G.mT), 0, inplace=True), A.eb, w, inplace=True)
+    dv_u = _blk(B.chunk(_mm(ku, G), 0, inplace=True), B.eb, w, inplace=True)
+    # levels
+    for s, P in zip(levels, Ps):
+        qs, ks = A.at(_part(qa, s, 1), s, 1), A.at(_part(kb, s, 0), s, 0)
+        vs, dos = B.at(_part(vb, s, 0), s, 0), B.at(_part(doa, s, 1), s, 1)
+        dP = _mm(dos, vs.mT)
+        _part(dq, s, 1).add_(A.at(_mm(dP, ks), s, 1, inplace=True))
+        _part(dk, s, 0).add_(A.at(_mm(dP.mT, qs), s, 0, inplace=True))
+        _part(dv, s, 0).add_(B.at(_mm(P.mT, dos), s, 0, inplace=True))
+    if A.ea is not None:
+        dq_d = _blk(dq_d.flatten(-3, -2), A.eb, w, div=True, inplace=True)
+        dq = _blk(dq, A.ea, w, inplace=True).add_(dq_d)
+    else:
+        blocks(dq).add_(dq_d)
+    dk, dv = _blk(dk, A.eb, w, inplace=True), _blk(dv, B.eb, w, inplace=True)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do, dfin):
-        q, k, v, qa, kb, qc, vb, qi, ku, vu, Pd, Pii, starts, o, *rest = ctx.saved_tensors
-        w, levels, cnt = ctx.w, ctx.levels, ctx.cnt
-        A = _Side(*rest[0:3]) if rest[0] is not None else _NoSide()
-        B = _Side(*rest[3:6]) if rest[3] is not None else _NoSide()
-        Ps = rest[6:]
-        blocks = lambda x: x.unflatten(-2, (-1, w))
-        dod, doa = _blk(do, B.eb, w, True), _blk(do, B.ea, w)
-
-        # diagonal blocks (with key gates, own terms apart)
-        dP = _mm(blocks(dod), blocks(vb).mT).tril_(-1 if A.ea is not None else 0)
-        dq_d = _mm(dP, blocks(kb))
-        dk, dv = _mm(dP.mT, blocks(qc)).flatten(-3, -2), _mm(Pd.mT, blocks(dod)).flatten(-3, -2)
-        # chunk level: the state recurrence backwards; *_u: through the chunk updates
-        doi = B.chunk(doa, 1)
-        decay = _decay(A, B)
-        G, dh0 = _recur_back(_mm(qi.mT, doi), decay, dfin, cnt)
-        dq = A.chunk(_mm(doi, starts.mT), 1, inplace=True)
-        dk_u = _blk(A.chunk(_mm(vu, G.mT), 0, inplace=True), A.eb, w, inplace=True)
-        dv_u = _blk(B.chunk(_mm(ku, G), 0, inplace=True), B.eb, w, inplace=True)
-        # levels
-        for s, P in zip(levels, Ps):
-            qs, ks = A.at(_part(qa, s, 1), s, 1), A.at(_part(kb, s, 0), s, 0)
-            vs, dos = B.at(_part(vb, s, 0), s, 0), B.at(_part(doa, s, 1), s, 1)
-            dP = _mm(dos, vs.mT)
-            _part(dq, s, 1).add_(A.at(_mm(dP, ks), s, 1, inplace=True))
-            _part(dk, s, 0).add_(A.at(_mm(dP.mT, qs), s, 0, inplace=True))
-            _part(dv, s, 0).add_(B.at(_mm(P.mT, dos), s, 0, inplace=True))
-        if A.ea is not None:
-            dq_d = _blk(dq_d.flatten(-3, -2), A.eb, w, div=True, inplace=True)
-            dq = _blk(dq, A.ea, w, inplace=True).add_(dq_d)
+    # gates: only pairs straddling t (see the class docstring), plus the decayed entering state
+    da = db = None
+    if A.ea is not None or B.ea is not None:
+        GS = G.mul_(starts) if decay is None else G.mul_(starts).mul_(decay)
+    if A.ea is not None:
+        R, Z = (q * dq).addcmul_(k, dk, value=-1), k * dk_u
+        if A.tau.shape[-1] == 1:
+            R, Z = R.sum(-1, keepdim=True), Z.sum(-1, keepdim=True)
+            E = GS.sum((-1, -2)).unsqueeze(-1)
         else:
-            blocks(dq).add_(dq_d)
-        dk, dv = _blk(dk, A.eb, w, inplace=True), _blk(dv, B.eb, w, inplace=True)
-
-        # gates: only pairs straddling t (see the class docstring), plus the decayed entering state
-        da = db = None
-        if A.ea is not None or B.ea is not None:
-            GS = G.mul_(starts) if decay is None else G.mul_(starts).mul_(decay)
-        if A.ea is not None:
-            R, Z = (q * dq).addcmul_(k, dk, value=-1), k * dk_u
-            if A.tau.shape[-1] == 1:
-                R, Z = R.sum(-1, keepdim=True), Z.sum(-1, keepdim=True)
-                E = GS.sum((-1, -2)).unsqueeze(-1)
-            else:
-                E = GS.sum(-1)
-            da = _cross(R, Z, w).add_(E.unsqueeze(-2))
-        if B.ea is not None:
-            R = (do * o).addcmul_(v, dv, value=-1)
-            db = _cross(R, v * dv_u, w).add_(GS.sum(-2).unsqueeze(-2))
-        dk, dv = dk.add_(dk_u), dv.add_(dv_u)
-        if A.ea is not None:
-            dPii = (do * v).sum(-1, keepdim=True)
-            dq, dk = dq.addcmul_(dPii, k), dk.addcmul_(dPii, q)
-        if B.ea is not None:
-            dv = dv.addcmul_(Pii, do)
-        return dq, dk, dv, da, db, dh0, None
+            E = GS.sum(-1)
+        da = _cross(R, Z, w).add_(E.unsqueeze(-2))
+    if B.ea is not None:
+        R = (do * o).addcmul_(v, dv, value=-1)
+        db = _cross(R, v * dv_u, w).add_(GS.sum(-2).unsqueeze(-2))
+    dk, dv = dk.add_(dk_u), dv.add_(dv_u)
+    if A.ea is not None:
+        dPii = (do * v).sum(-1, keepdim=True)
+        dq, dk = dq.addcmul_(dPii, k), dk.addcmul_(dPii, q)
+    if B.ea is not None:
+        dv = dv.addcmul_(Pii, do)
+    return dq, dk, dv, da, db, dh0
 
 
-def _forward(q, k, v, a, b, h0, cnt, after=0):
-    """_Chunked's forward on slot-layout tensors (see there). `after`: how many sequences
-    go on past these steps (a slab of a longer run; their states come back as `carry`
-    [H, after, K, V] and are not among the final states). Returns (o, final states,
-    carry, the tensors the backward reads, (w, levels))."""
-    C, w = q.shape[-2], min(SUB, q.shape[-2])
+def _sides(a, b, C):
+    """The decays of key gates a and value gates b [H, M, C, D] (or None) in w-blocks of
+    one common width w, and the levels (segment halves w .. C/2): (A, B, w, levels)."""
+    w = min(SUB, C)
     A = _Side.of(a, w) if a is not None else _NoSide()
     B = _Side.of(b, min(A.w, w)) if b is not None else _NoSide()
     if a is not None and A.w > B.w:  # the value side needed narrower blocks
         A = _Side.of(a, B.w)
     w = min(A.w, B.w, w)
-    levels = [w << i for i in range((C // w).bit_length() - 1)]
+    return A, B, w, [w << i for i in range((C // w).bit_length() - 1)]
+
+
+def _updates(k, v, A, B, w):
+    """Keys and values decayed to their block end (kb, vb) and to their chunk end (ku, vu):
+    each chunk adds ku^T vu to the state."""
+    kb, vb = _blk(k, A.eb, w), _blk(v, B.eb, w)
+    return kb, vb, A.chunk(kb, 0), B.chunk(vb, 0)
+
+
+def _forward(q, k, v, a, b, h0, cnt, after=0):
+    """The recurrence on slot-layout tensors: q [H,M,C,K] (scaled), k [H,M,C,K], v [H,M,C,V],
+    a [H,M,C,K|1] or None, b [H,M,C,V] or None, h0 [H,N,K,V] in rank order, cnt the
+    sequences active at each step. Zero padding tokens (gate 0) leave the state unchanged.
+    `after`: how many sequences go on past these steps (a slab of a longer run; their
+    states come back as `carry` [H, after, K, V] and are not among the final states).
+    Returns (o [H,M,C,V], final states [H, N - after, K, V] (rank order), carry, the
+    tensors _backward reads, (w, levels))."""
+    A, B, w, levels = _sides(a, b, q.shape[-2])
     blocks = lambda x: x.unflatten(-2, (-1, w))
 
-    qa, kb, vb = _blk(q, A.ea, w), _blk(k, A.eb, w), _blk(v, B.eb, w)
-    qc = _blk(q, A.eb, w, div=True)
+    kb, vb, ku, vu = _updates(k, v, A, B, w)
+    qa, qc = _blk(q, A.ea, w), _blk(q, A.eb, w, div=True)
     # diagonal blocks, referenced at the block end; with value gates each token's own term
-    # (j = i) apart, for their gradient (see the class docstring)
+    # (j = i) apart, for their gradient (see _backward)
     Pd = _mm(blocks(qc), blocks(kb).mT).tril_(-1 if b is not None else 0)
     Pii = (q * k).sum(-1, keepdim=True) if b is not None else None
     yd = _mm(Pd, blocks(vb))
@@ -340,8 +304,8 @@ def _forward(q, k, v, a, b, h0, cnt, after=0):
         qs, ks = A.at(_part(qa, s, 1), s, 1), A.at(_part(kb, s, 0), s, 0)
         Ps.append(_mm(qs, ks.mT))
         ys.append(_mm(Ps[-1], B.at(_part(vb, s, 0), s, 0)))
-    # chunk updates and the state recurrence
-    qi, ku, vu = A.chunk(qa, 1), A.chunk(kb, 0), B.chunk(vb, 0)
+    # the state recurrence
+    qi = A.chunk(qa, 1)
     starts, fin, carry = _recur(_mm(ku.mT, vu), _decay(A, B), h0, cnt, after)
     o = B.chunk(_mm(qi, starts), 1, inplace=True)
     for s, y in zip(levels, ys):
@@ -403,6 +367,23 @@ def _recur_back(Qt, decay, dfin, cnt):
     return G, dh0
 
 
+def _compute_dtype(q):
+    """float64 for float64 q, else float32 (SPEC: accumulation)."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _layout(plan, q, cu_seqlens, chunk_size):
+    """(chunk table, chunk size C, compute dtype) of a call (see _table)."""
+    B, T = plan.B, plan.T
+    cu = tuple(b * T for b in range(B + 1)) if cu_seqlens is None else tuple(cu_seqlens.tolist())
+    longest = max(e - s for s, e in zip(cu, cu[1:]))
+    C = min(chunk_size, 1 << max(longest - 1, 0).bit_length())
+    tab = _table(cu, C, plan.reverse)
+    if tab["tok"].device != q.device:
+        tab = {n: x.to(q.device) if torch.is_tensor(x) else x for n, x in tab.items()}
+    return tab, C, _compute_dtype(q)
+
+
 def recurrent_native(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial_state=None,
                      cu_seqlens=None, chunk_size=64):
     """SPEC.md's recurrence, chunked. Returns (o [B,T,H,V] in q's dtype, final_state
@@ -411,60 +392,220 @@ def recurrent_native(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, init
     Batched layout as `plan` (bridge.contract.Plan) describes: q [B,T,H,K], k [B,T,Hk,K],
     v [B,T,Hk,V], g [B,T,H] or [B,T,H,K], gk [B,T,H,K], gv [B,T,H,V], g_gamma [H] or [N,H],
     initial_state [N,H,K,V]; with cu_seqlens [N+1], B == 1. chunk_size: a power of two.
+    Differentiable (once): autograd keeps only the inputs (see _Native).
     """
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size: expected a power of two, got {chunk_size}")
-    B, T, H, Hk, K, V, N = plan.B, plan.T, plan.H, plan.Hk, plan.K, plan.V, plan.N
-    L, out_dtype, dev = B * T, q.dtype, q.device
-    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
     inputs = (q, k, v, g, gk, gv, g_gamma, initial_state)
     graph = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
-    if not graph and cu_seqlens is None and 0 < T <= STEP_T:
-        return _steps(plan, cd, *inputs)
-    cu = tuple(b * T for b in range(B + 1)) if cu_seqlens is None else tuple(cu_seqlens.tolist())
-    longest = max(e - s for s, e in zip(cu, cu[1:]))
-    C = min(chunk_size, 1 << max(longest - 1, 0).bit_length())
-    tab = _table(cu, C, plan.reverse)
-    if tab["tok"].device != dev:
-        tab = {n: x.to(dev) if torch.is_tensor(x) else x for n, x in tab.items()}
-    M = tab["M"]
+    if not graph and cu_seqlens is None and 0 < plan.T <= STEP_T:
+        return _steps(plan, _compute_dtype(q), *inputs)
+    tab, C, cd = _layout(plan, q, cu_seqlens, chunk_size)
+    if graph:
+        return _Native.apply(plan, tab, C, cd, *inputs)
+    return _streamed(plan, tab, C, cd, *inputs)
 
-    if M == 0:  # every sequence is empty; the zero keeps every input in the graph
-        zero = sum(x.sum() for x in (q, k, v, g, gk, gv, g_gamma) if x is not None) * 0
-        fin = torch.zeros(N, H, K, V, dtype=cd, device=dev) if initial_state is None \
-            else initial_state.to(cd)
-        return q.new_zeros(B, T, H, V) + zero.to(out_dtype), fin + zero.to(cd)
 
-    if not graph:
+class _Native(torch.autograd.Function):
+    """recurrent_native under autograd: the streamed forward, saving only the inputs; the
+    backward recomputes it slab by slab (_streamed_backward)."""
+
+    @staticmethod
+    def forward(ctx, plan, tab, C, cd, *inputs):
+        ctx.plan, ctx.tab, ctx.C, ctx.cd = plan, tab, C, cd
+        ctx.save_for_backward(*inputs)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None
         return _streamed(plan, tab, C, cd, *inputs)
 
-    def chunks(x, scale=1.0):
-        """[B,T,h,D] -> [h, M, C, D] in the compute dtype."""
-        return _Relayout.apply(x.reshape(L, *x.shape[2:]), tab, C, True, scale).to(cd)
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dfinal_state):
+        return (None,) * 4 + tuple(_streamed_backward(
+            ctx.plan, ctx.tab, ctx.C, ctx.cd, ctx.saved_tensors, do, dfinal_state))
 
-    q, k, v = chunks(q, plan.scale), chunks(k), chunks(v)
-    if Hk != H:  # query head h reads kv head h // (H // Hk)
-        k, v = (x.unsqueeze(1).expand(Hk, H // Hk, *x.shape[1:]).flatten(0, 1) for x in (k, v))
-    parts = []
+
+class _Slots:
+    """The token-layout arrays of one call and its chunk table (see _table): gathers slab
+    inputs into slot layout [h, m, C, D] and scatters slot-layout results back."""
+
+    def __init__(self, plan, tab, C, cd, q, k, v, g, gk, gv, g_gamma):
+        self.plan, self.tab, self.C, self.cd = plan, tab, C, cd
+        self.L = plan.B * plan.T
+        flat = lambda x: None if x is None else x.reshape(self.L, *x.shape[2:])
+        if plan.g == "head":
+            g = g.unsqueeze(-1)
+        self.q, self.k, self.v, self.g, self.gk, self.gv = map(flat, (q, k, v, g, gk, gv))
+        self.gam = None
+        if g_gamma is not None:  # [H, 1] per head or [H, N] per sequence
+            gam = g_gamma.to(cd)
+            self.gam = gam[:, None] if gam.dim() == 1 else gam.t()
+        self.tok = tab["tok"].view(-1, C)
+
+    def slabs(self, grow=1):
+        """[(r0, r1, cnt, after)]: slots r0:r1 of consecutive chunk steps, as many as fit
+        `grow` times the budget (see SLAB; at least one step); cnt: the sequences active at
+        each of those steps, after: at the step past them (0 at the end)."""
+        plan, cnt = self.plan, self.tab["cnt"]
+        offs = np.cumsum([0] + cnt).tolist()
+        per_slot = plan.H * self.C * max(plan.K, plan.V)
+        budget = grow * min(SLAB, max(SLAB // 4, self.L * plan.H * plan.V // SHARE))
+        out, c0 = [], 0
+        while c0 < len(cnt):
+            c1 = c0 + 1
+            while c1 < len(cnt) and (offs[c1 + 1] - offs[c0]) * per_slot <= budget:
+                c1 += 1
+            out.append((offs[c0], offs[c1], cnt[c0:c1], cnt[c1] if c1 < len(cnt) else 0))
+            c0 = c1
+        return out
+
+    def keep(self, r0, r1):
+        """[m, C, 1] True at real tokens of slots r0:r1, or None without padding."""
+        return None if self.tab["mask"] is None else self.tab["mask"][r0:r1]
+
+    def gather(self, x, r0, r1, scale=1.0):
+        """[L, h, D] -> slots r0:r1 as [h, m, C, D] in the compute dtype, 0 at padding."""
+        y = x.index_select(0, self.tok[r0:r1].reshape(-1))
+        y = y.view(r1 - r0, self.C, *x.shape[1:]).permute(2, 0, 1, 3)
+        y = y.to(self.cd, memory_format=torch.contiguous_format, copy=True)
+        y = y.mul_(scale) if scale != 1.0 else y
+        keep = self.keep(r0, r1)
+        return y if keep is None else y.mul_(keep)
+
+    def scatter(self, dst, y, r0, r1):
+        """dst [L, h, D] at the tokens of slots r0:r1 <- y [h, m, C, D] (padding left out)."""
+        idx = self.tok[r0:r1].reshape(-1)
+        y = y.permute(1, 2, 0, 3).reshape(-1, *dst.shape[1:]).to(dst.dtype)
+        keep = self.keep(r0, r1)
+        if keep is None:
+            dst.index_copy_(0, idx, y)
+        else:
+            sel = keep.reshape(-1)
+            dst.index_copy_(0, idx[sel], y[sel])
+
+    def inputs(self, r0, r1, with_q=True):
+        """Slots r0:r1 of (q scaled or None, k, v, key gates a or None, value gates b or None)."""
+        plan, C, H, Hk = self.plan, self.C, self.plan.H, self.plan.Hk
+        q = self.gather(self.q, r0, r1, plan.scale) if with_q else None
+        k, v = self.gather(self.k, r0, r1), self.gather(self.v, r0, r1)
+        if Hk != H:  # query head h reads kv head h // (H // Hk)
+            k, v = (x.unsqueeze(1).expand(Hk, H // Hk, *x.shape[1:]).flatten(0, 1) for x in (k, v))
+        parts = [self.gather(x, r0, r1) for x in (self.g, self.gk) if x is not None]
+        if self.gam is not None:  # 0 at padding
+            gs = self.gam if self.gam.shape[1] == 1 else self.gam.index_select(
+                1, self.tab["seq"][r0:r1])
+            gs, keep = gs[..., None, None], self.keep(r0, r1)
+            parts.append(gs * keep if keep is not None else gs.expand(H, r1 - r0, C, 1))
+        a = functools.reduce(torch.add, parts) if parts else None
+        return q, k, v, a, self.gather(self.gv, r0, r1) if self.gv is not None else None
+
+    def by_rank(self, x, N, like):
+        """[N, H, K, V] -> [H, N, K, V] in rank order and the compute dtype (zeros for None)."""
+        if x is None:
+            return torch.zeros(self.plan.H, N, self.plan.K, self.plan.V, dtype=self.cd,
+                               device=like.device)
+        return x.to(self.cd).transpose(0, 1).index_select(1, self.tab["order"])
+
+    def by_sequence(self, x):
+        """by_rank's inverse: [H, N, K, V] -> [N, H, K, V], contiguous."""
+        return x.index_select(1, self.tab["unorder"]).transpose(0, 1).contiguous()
+
+
+def _streamed(plan, tab, C, cd, q, k, v, g, gk, gv, g_gamma, initial_state):
+    """recurrent_native's forward, a slab of chunk steps at a time: besides o and the final
+    states only one slab's inputs and temporaries (a few tens of SLAB elements) are alive."""
+    S = _Slots(plan, tab, C, cd, q, k, v, g, gk, gv, g_gamma)
+    o = torch.empty(S.L, plan.H, plan.V, dtype=q.dtype, device=q.device)
+    state, finals = S.by_rank(initial_state, plan.N, q), []
+    for r0, r1, cnt, after in S.slabs():
+        # only o, the final states and the carry: the slab's saved tensors go right away
+        y, fin, state = _forward(*S.inputs(r0, r1), state, cnt, after)[:3]
+        finals.append(fin)
+        S.scatter(o, y, r0, r1)
+        del y
+    fin = torch.cat(finals[::-1], 1) if finals else state  # each slab ends the ranks after it
+    return o.view(plan.B, plan.T, plan.H, plan.V), S.by_sequence(fin)
+
+
+def _streamed_backward(plan, tab, C, cd, inputs, do, dfinal_state):
+    """Gradients of `inputs` (q, k, v, g, gk, gv, g_gamma, initial_state; None for absent
+    ones, and in their place) from do [B,T,H,V] and dfinal_state [N,H,K,V] (either None),
+    each in its input's dtype and shape. First the state recurrence alone gives the state
+    entering each slab; then, slab by slab in reverse, _forward recomputes the slab from
+    that state and _backward turns the output's gradient and the gradient of the states
+    leaving the slab into the slab's input gradients and that of its entering state.
+    Memory: the gradients, the slab-entering states and one slab's workspace."""
+    q, k, v, g, gk, gv, g_gamma, h0 = inputs
+    H, Hk, K, V, N = plan.H, plan.Hk, plan.K, plan.V, plan.N
+    if do is None and dfinal_state is None:
+        return [None if x is None else torch.zeros_like(x) for x in inputs]
+    S = _Slots(plan, tab, C, cd, q, k, v, g, gk, gv, g_gamma)
+    slabs, entering, state = S.slabs(BACK), [], S.by_rank(h0, N, q)
+    for r0, r1, cnt, after in slabs:  # the states only: no in-chunk terms
+        entering.append(state)
+        _, sk, sv, a, b = S.inputs(r0, r1, with_q=False)
+        A, B, w, _ = _sides(a, b, C)
+        ku, vu = _updates(sk, sv, A, B, w)[2:]
+        state = _recur(_mm(ku.mT, vu), _decay(A, B), state, cnt, after)[2]
+    del state
+
+    L, dev = S.L, q.device
+    dq = torch.empty(L, H, K, dtype=q.dtype, device=dev)
+    dk, dv = (torch.empty(L, Hk, x.shape[-1], dtype=x.dtype, device=dev) for x in (k, v))
+    Da = K if plan.g == "key" or gk is not None else 1  # the key gates' last dim
+    ga = torch.empty(L, H, Da, dtype=cd, device=dev) if g is not None or gk is not None else None
+    dgv = torch.empty(L, H, V, dtype=gv.dtype, device=dev) if gv is not None else None
+    dgam = None if g_gamma is None else torch.zeros_like(S.gam)
+    do = None if do is None else do.reshape(L, H, V)
+    dfin = S.by_rank(dfinal_state, N, q)
+    dcarry = dfin if not slabs else dfin[:, :0]  # the gradient of the states leaving a slab
+    for (r0, r1, cnt, after), h in zip(reversed(slabs), reversed(entering)):
+        saved, (w, levels) = _forward(*S.inputs(r0, r1), h, cnt, after)[3:]
+        sdo = S.gather(do, r0, r1) if do is not None else torch.zeros(
+            H, r1 - r0, C, V, dtype=cd, device=dev)
+        # the carry's gradient first, then the final states of the sequences ending here
+        dleave = torch.cat([dcarry, dfin[:, after:h.shape[1]]], 1)
+        sdq, sdk, sdv, sda, sdb, dcarry = _backward(saved, w, levels, cnt, sdo, dleave)
+        del saved, sdo
+        S.scatter(dq, sdq.mul_(plan.scale), r0, r1)
+        if Hk != H:  # a kv head's gradient sums over the query heads that read it
+            sdk, sdv = (x.unflatten(0, (Hk, -1)).sum(1) for x in (sdk, sdv))
+        S.scatter(dk, sdk, r0, r1)
+        S.scatter(dv, sdv, r0, r1)
+        if ga is not None:
+            S.scatter(ga, sda, r0, r1)
+        if dgam is not None:  # summed over the tokens (not the padding) of each head / sequence
+            keep = S.keep(r0, r1)
+            per = (sda if keep is None else sda * keep).sum((-1, -2))
+            if dgam.shape[1] == 1:
+                dgam += per.sum(1, keepdim=True)
+            else:
+                dgam.index_add_(1, tab["seq"][r0:r1], per)
+        if dgv is not None:
+            S.scatter(dgv, sdb, r0, r1)
+        del sdq, sdk, sdv, sda, sdb
+
+    out = dict(q=dq, k=dk, v=dv, gv=dgv)
     if g is not None:
-        parts.append(chunks(g.unsqueeze(-1) if plan.g == "head" else g))
+        out["g"] = ga.sum(-1) if plan.g == "head" and Da > 1 else ga
     if gk is not None:
-        parts.append(chunks(gk))
-    if g_gamma is not None:  # per head [H] or per sequence [N, H]; 0 at padding
-        gam = g_gamma.to(cd)
-        gam = gam[:, None] if gam.dim() == 1 else gam.t().index_select(1, tab["seq"])
-        gam = gam[..., None, None]
-        parts.append(gam * tab["mask"] if tab["mask"] is not None else gam.expand(H, M, C, 1))
-    a = functools.reduce(torch.add, parts) if parts else None
-    b = chunks(gv) if gv is not None else None
-    if initial_state is not None:  # [H, N, K, V] in rank order
-        h0 = initial_state.to(cd).transpose(0, 1).index_select(1, tab["order"])
-    else:
-        h0 = torch.zeros(H, N, K, V, dtype=cd, device=dev)
+        out["gk"] = ga
+    if g_gamma is not None:
+        out["g_gamma"] = dgam[:, 0] if g_gamma.dim() == 1 else dgam.t()
+    if h0 is not None:
+        out["initial_state"] = S.by_sequence(dcarry)
+    names = ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state")
+    return [None if x is None else out[n].reshape(x.shape).to(x.dtype)
+            for n, x in zip(names, inputs)]
 
-    o, fin = _Chunked.apply(q, k, v, a, b, h0, tab["cnt"])
-    o = _Relayout.apply(o, tab, C, False).view(B, T, H, V).to(out_dtype)
-    return o, fin.index_select(1, tab["unorder"]).transpose(0, 1).contiguous()
+
+def recurrent_native_backward(plan, inputs, cu_seqlens, do, dfinal_state, chunk_size=64):
+    """Gradients of the present inputs (q, k, v, g, gk, gv, g_gamma, initial_state order,
+    absent ones None in `inputs`), each in its input's dtype and shape; `do` [B,T,H,V] and
+    `dfinal_state` [N,H,K,V] may be None. Nothing of the forward is kept (an op's outputs
+    need fixed shapes): the slab-by-slab backward recomputes it (_streamed_backward)."""
+    tab, C, cd = _layout(plan, inputs[0], cu_seqlens, chunk_size)
+    got = _streamed_backward(plan, tab, C, cd, inputs, do, dfinal_state)
+    return [d for d in got if d is not None]
 
 
 def _steps(plan, cd, q, k, v, g, gk, gv, g_gamma, initial_state):
@@ -493,92 +634,3 @@ def _steps(plan, cd, q, k, v, g, gk, gv, g_gamma, initial_state):
     return o, S
 
 
-def _streamed(plan, tab, C, cd, q, k, v, g, gk, gv, g_gamma, initial_state):
-    """recurrent_native without autograd, a slab of chunk steps at a time: the slab's
-    tokens are gathered straight from the inputs and its output written straight into
-    o, so besides o and the final states only one slab's inputs and temporaries (a few
-    tens of SLAB elements) are alive."""
-    B, T, H, Hk, K, V, N = plan.B, plan.T, plan.H, plan.Hk, plan.K, plan.V, plan.N
-    L, M, cnt, mask = B * T, tab["M"], tab["cnt"], tab["mask"]
-    offs = np.cumsum([0] + cnt).tolist()
-    tok = tab["tok"].view(M, C)
-    per_slot = H * C * max(K, V)
-    budget = min(SLAB, max(SLAB // 4, L * H * V // 16))
-    if plan.g == "head":
-        g = g.unsqueeze(-1)
-    gam = None
-    if g_gamma is not None:  # [H, 1] per head or [H, N] per sequence
-        gam = g_gamma.to(cd)
-        gam = gam[:, None] if gam.dim() == 1 else gam.t()
-    flat = lambda x: None if x is None else x.reshape(L, *x.shape[2:])
-    q, k, v, g, gk, gv = map(flat, (q, k, v, g, gk, gv))
-    o = torch.empty(L, H, V, dtype=q.dtype, device=q.device)
-    if initial_state is not None:  # [H, N, K, V] in rank order
-        state = initial_state.to(cd).transpose(0, 1).index_select(1, tab["order"])
-    else:
-        state = torch.zeros(H, N, K, V, dtype=cd, device=q.device)
-    finals, c0 = [], 0
-    while c0 < len(cnt):
-        c1 = c0 + 1  # as many steps as fit the budget, at least one
-        while c1 < len(cnt) and (offs[c1 + 1] - offs[c0]) * per_slot <= budget:
-            c1 += 1
-        r0, r1 = offs[c0], offs[c1]
-        idx, keep = tok[r0:r1].reshape(-1), None if mask is None else mask[r0:r1]
-
-        def chunks(x, scale=1.0):
-            """[L, h, D] -> this slab's [h, m, C, D] in the compute dtype, 0 at padding."""
-            y = x.index_select(0, idx).view(r1 - r0, C, *x.shape[1:]).permute(2, 0, 1, 3)
-            y = y.to(cd, memory_format=torch.contiguous_format, copy=True)
-            y = y.mul_(scale) if scale != 1.0 else y
-            return y if keep is None else y.mul_(keep)
-
-        cq, ck, cv = chunks(q, plan.scale), chunks(k), chunks(v)
-        if Hk != H:  # query head h reads kv head h // (H // Hk)
-            ck, cv = (x.unsqueeze(1).expand(Hk, H // Hk, *x.shape[1:]).flatten(0, 1)
-                      for x in (ck, cv))
-        parts = [chunks(x) for x in (g, gk) if x is not None]
-        if gam is not None:
-            gs = gam if gam.shape[1] == 1 else gam.index_select(1, tab["seq"][r0:r1])
-            gs = gs[..., None, None]
-            parts.append(gs * keep if keep is not None else gs.expand(H, r1 - r0, C, 1))
-        a = functools.reduce(torch.add, parts) if parts else None
-        after = cnt[c1] if c1 < len(cnt) else 0
-        y, fin, state, _, _ = _forward(cq, ck, cv, a, chunks(gv) if gv is not None else None,
-                                       state, cnt[c0:c1], after)
-        finals.append(fin)
-        y = y.permute(1, 2, 0, 3).reshape(-1, H, V).to(o.dtype)
-        if keep is None:
-            o.index_copy_(0, idx, y)
-        else:
-            sel = keep.reshape(-1)
-            o.index_copy_(0, idx[sel], y[sel])
-        c0 = c1
-    fin = torch.cat(finals[::-1], 1)  # rank order: each slab ends the sequences after it
-    return o.view(B, T, H, V), fin.index_select(1, tab["unorder"]).transpose(0, 1).contiguous()
-
-
-def recurrent_native_backward(plan, inputs, cu_seqlens, do, dfinal_state, chunk_size=64):
-    """Gradients of the present inputs (q, k, v, g, gk, gv, g_gamma, initial_state order,
-    absent ones None in `inputs`), each in its input's dtype and shape; `do` [B,T,H,V] and
-    `dfinal_state` [N,H,K,V] may be None. The forward is recomputed under autograd (its
-    saved tensors depend on the gate values, so they cannot leave an op whose outputs
-    need fixed shapes); the hand-written backward above then runs once."""
-    present = [x for x in inputs if x is not None]
-    # an op's kernel runs below autograd (its dispatch keys excluded): switch them back on
-    C = torch._C
-    below = C._dispatch_tls_local_exclude_set()
-    below = below.remove(C.DispatchKey.AutogradFunctionality)
-    with C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), below), \
-            torch.enable_grad():
-        leaves = [x.detach().requires_grad_() for x in present]
-        it = iter(leaves)
-        q, k, v, g, gk, gv, g_gamma, h0 = (None if x is None else next(it) for x in inputs)
-        o, fin = recurrent_native(plan, q, k, v, g=g, gk=gk, gv=gv, g_gamma=g_gamma,
-                                  initial_state=h0, cu_seqlens=cu_seqlens,
-                                  chunk_size=chunk_size)
-        outs = [(y, dy) for y, dy in ((o, do), (fin, dfinal_state)) if dy is not None]
-        if not outs:
-            return [torch.zeros_like(x) for x in present]
-        got = torch.autograd.grad([y for y, _ in outs], leaves, [dy.to(y.dtype) for y, dy in outs],
-                                  allow_unused=True)
-    return [torch.zeros_like(x) if d is None else d.to(x.dtype) for x, d in zip(present, got)]
