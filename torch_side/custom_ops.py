@@ -147,9 +147,7 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tenso
     plan = plan_of(**inputs, cu_seqlens=cu_seqlens, scale=scale, reverse=reverse)
     with torch.autocast(q.device.type, enabled=False):
         if mode == "torch":
-            got = recurrent_native_backward(plan, tuple(inputs.values()), cu_seqlens, do,
-                                            dfinal_state)
-            got = dict(zip([n for n, x in inputs.items() if x is not None], got))
+            got = recurrent_native_backward(plan, inputs, cu_seqlens, do, dfinal_state)
         else:
             triton_launch.check_device(q)
             got = triton_launch.backward(plan, mode, inputs, cu_seqlens, final_state, do,

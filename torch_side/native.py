@@ -30,14 +30,18 @@ import functools
 import numpy as np
 import torch
 
+from bridge.grads import INPUTS
+
 SUB = 16  # widest block
 LIMIT = 30.0  # largest |log decay| an in-block factor may carry (exp(30) ~ 1e13)
 # Elements of one slab input [H, slots, C, D], at most: a forward slab holds ~20 such
 # arrays besides its output, so a slab input is also kept below 1/SHARE of the output
 # (down to SLAB // 4); fewer, larger slabs cost less per op. A backward slab may be BACK
-# times larger (its memory is mostly the gradients).
+# times larger (its memory is mostly the gradients). SHARE = 32 met the no-grad forward
+# memory target at (1,4,128,128) (2.7x output + state, 3.4x with 16) but made that
+# forward 1.2-1.4x slower on 2 threads: 16 keeps the speed.
 SLAB = 1 << 18
-SHARE = 32
+SHARE = 16
 BACK = 4
 STEP_T = 4  # at most this many tokens a row (decoding) run step by step, without chunks
 
@@ -599,13 +603,15 @@ def _streamed_backward(plan, tab, C, cd, inputs, do, dfinal_state):
 
 
 def recurrent_native_backward(plan, inputs, cu_seqlens, do, dfinal_state, chunk_size=64):
-    """Gradients of the present inputs (q, k, v, g, gk, gv, g_gamma, initial_state order,
-    absent ones None in `inputs`), each in its input's dtype and shape; `do` [B,T,H,V] and
-    `dfinal_state` [N,H,K,V] may be None. Nothing of the forward is kept (an op's outputs
-    need fixed shapes): the slab-by-slab backward recomputes it (_streamed_backward)."""
-    tab, C, cd = _layout(plan, inputs[0], cu_seqlens, chunk_size)
-    got = _streamed_backward(plan, tab, C, cd, inputs, do, dfinal_state)
-    return [d for d in got if d is not None]
+    """{name: gradient} of the present inputs (`inputs`: the arrays of
+    `bridge.grads.INPUTS` by name, absent ones None), each in its input's dtype and shape;
+    `do` [B,T,H,V] and `dfinal_state` [N,H,K,V] may be None. Nothing of the forward is
+    kept (an op's outputs need fixed shapes): the slab-by-slab backward recomputes it
+    (_streamed_backward)."""
+    tab, C, cd = _layout(plan, inputs["q"], cu_seqlens, chunk_size)
+    got = _streamed_backward(plan, tab, C, cd, tuple(inputs[n] for n in INPUTS), do,
+                             dfinal_state)
+    return {n: d for n, d in zip(INPUTS, got) if d is not None}
 
 
 def _steps(plan, cd, q, k, v, g, gk, gv, g_gamma, initial_state):

@@ -7,8 +7,9 @@ JAX: each stage of the all-chunks forward (the forward before issue 19; still th
 differentiated with cu_seqlens, gv or float64, and the in-chunk step the slab backward
 recomputes) jitted alone on its real inputs (chunk layout, 64-token chunks),
 the 16-block in-chunk weights that replaced the tree, and the whole forwards. torch: the
-operators with the most self time (torch.profiler) in the forward that keeps what a
-backward reads (what the forward op ran before issue 19) and in the one that streams slabs.
+operators with the most self time (torch.profiler) in the forward under autograd and
+without it (both stream slabs since the slab backward; before it, the autograd forward
+kept what its backward read).
 `run` starts one child per framework, as the CPU sweep does.
 """
 
@@ -105,7 +106,7 @@ def torch_stages(shape, T, top=6):
     ins = [torch.from_numpy(a[n]) for n in ("q", "k", "v", "g")]
     plan = check(*ins[:3], g=ins[3])
 
-    def keeping():  # the autograd path: keeps what its backward reads
+    def keeping():  # the autograd path (since the slab backward, it keeps only the inputs)
         leaves = [x.detach().requires_grad_() for x in ins]
         return recurrent_native(plan, *leaves[:3], g=leaves[3])
 
@@ -114,7 +115,7 @@ def torch_stages(shape, T, top=6):
             return recurrent_native(plan, *ins[:3], g=ins[3])
 
     rows = []
-    for name, fn in (("keeping tensors for a backward (before)", keeping),
+    for name, fn in (("under autograd (keeps the inputs)", keeping),
                      ("streamed slabs, no autograd (after)", streaming)):
         rows.append((f"torch forward {name}, whole call", _time(fn)))
         with torch.profiler.profile() as prof:
