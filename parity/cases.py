@@ -34,9 +34,10 @@ class Case:
     reverse: bool = False
     seqlens: tuple = None   # packed variable-length sequences (B must be 1)
     packed: bool = False    # give packed inputs as [total, H, *] rather than [1, total, H, *]
-    # log gates: -uniform(*gate_range) * gate_scale a step; g_gamma -uniform(0.02, 0.5) * gate_scale
+    # log gates: -uniform(*gate_range) * gate_scale a step; g_gamma -uniform(*gamma_range) * gate_scale
     gate_scale: float = 1.0
     gate_range: tuple = (0.02, 1.0)  # (5, 10): every step decays by e^-5 or more
+    gamma_range: tuple = (0.02, 0.5)
     softmax_scale: float = None
     # Gate gradients come from the cumulative identity da_r = da_{r+1} + q.dq' - k.dk',
     # whose fp32 rounding is absolute: about epsilon times the O(1) q.dq terms. When
@@ -85,7 +86,8 @@ def inputs(case: Case, seed: int = 0) -> dict:
         out["gv"] = gate(H, V)
     if case.g_gamma != "none":
         shape = (H,) if case.g_gamma == "head" else (N, H)
-        out["g_gamma"] = (-rng.uniform(0.02, 0.5, shape) * case.gate_scale).astype(np.float32)
+        out["g_gamma"] = (-rng.uniform(*case.gamma_range, shape) * case.gate_scale
+                          ).astype(np.float32)
     if case.initial_state:
         out["initial_state"] = rng.standard_normal((N, H, K, V)).astype(np.float32)
     if case.seqlens:

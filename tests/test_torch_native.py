@@ -3,45 +3,32 @@ outputs, final states and the gradient of every input, for each SPEC feature
 alone and combined, in float64 / float32 / bf16 / fp16, plus gradcheck, strong
 gates, slab-by-slab forward and backward, and memory bounds."""
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from bridge.contract import check
+from parity import cases
+from parity.compare import rel_err
 from parity.bench.timing import peak_memory_bytes
 from parity.oracle import recurrent, recurrent_grads
 from torch_side import native
 from torch_side.native import recurrent_native
 
-NAMES = ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state")
-
-
 def make(seed=0, B=2, T=37, H=2, Hk=None, K=8, V=6, g=None, gk=False, gv=False, g_gamma=None,
          initial_state=False, seqlens=None, gate=(-1.0, 0.0), dtype=torch.float64):
-    """Inputs of `recurrent` as leaf tensors (batched layout; with seqlens B=1 and cu_seqlens).
-    g: None | "key" | "head"; g_gamma: None | "head" ([H]) | "seq" ([N,H]); gate: log-gate range."""
-    gen = torch.Generator().manual_seed(seed)
-    if seqlens is not None:
-        B, T = 1, sum(seqlens)
-    N, Hk = (B if seqlens is None else len(seqlens)), (Hk or H)
-    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    """Inputs of `recurrent` drawn by `parity.cases`, as leaf tensors in `dtype` (batched
+    layout; with seqlens B=1 and cu_seqlens). g: None | "key" | "head"; g_gamma: None |
+    "head" ([H]) | "seq" ([N,H]); gate: the log-gate range of every gate, g_gamma too."""
     lo, hi = gate
-    gat = lambda *s: torch.rand(*s, generator=gen, dtype=torch.float64) * (hi - lo) + lo
-    kw = dict(q=rnd(B, T, H, K), k=rnd(B, T, Hk, K), v=rnd(B, T, Hk, V))
-    if g is not None:
-        kw["g"] = gat(B, T, H, K) if g == "key" else gat(B, T, H)
-    if gk:
-        kw["gk"] = gat(B, T, H, K)
-    if gv:
-        kw["gv"] = gat(B, T, H, V)
-    if g_gamma is not None:
-        kw["g_gamma"] = gat(H) if g_gamma == "head" else gat(N, H)
-    if initial_state:
-        kw["initial_state"] = rnd(N, H, K, V)
-    kw = {n: x.to(dtype).requires_grad_() for n, x in kw.items()}
-    cu = None if seqlens is None else torch.tensor(np.cumsum([0, *seqlens]), dtype=torch.int32)
-    return kw, cu
+    _, arrays = cases.make(seed, B=1 if seqlens else B, T=T, H=H, Hk=Hk or H, K=K, V=V,
+                           g=g or "none", gk=gk, gv=gv, g_gamma=g_gamma or "none",
+                           initial_state=initial_state, seqlens=seqlens,
+                           gate_range=(-hi, -lo), gamma_range=(-hi, -lo))
+    kw, _ = cases.split(arrays)
+    cu = kw.pop("cu_seqlens", None)
+    kw = {n: torch.from_numpy(a).to(dtype).requires_grad_() for n, a in kw.items()}
+    return kw, None if cu is None else torch.from_numpy(cu)
 
 
 def native_call(kw, cu=None, reverse=False, **extra):
@@ -64,8 +51,8 @@ def oracle_call(kw, cu=None, reverse=False, do=None, dfinal_state=None):
 
 
 def rel(a, b):
-    a = a.detach().double().numpy() if torch.is_tensor(a) else a
-    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+    """rel_err of a tensor against an array (a floor of 1e-30: relative, also near 0)."""
+    return rel_err(a.detach().double().numpy() if torch.is_tensor(a) else a, b, floor=1e-30)
 
 
 def check_all(kw, cu=None, reverse=False, tol=1e-10, seed=0, **extra):
@@ -82,7 +69,7 @@ def check_all(kw, cu=None, reverse=False, tol=1e-10, seed=0, **extra):
     ro, rs, rg = oracle_call(kw, cu, reverse, do.numpy(), ds.numpy())
     assert rel(o, ro) < tol, ("o", rel(o, ro))
     assert rel(s, rs) < tol, ("final_state", rel(s, rs))
-    names = [n for n in NAMES if n in kw]
+    names = [n for n in cases.INPUTS if n in kw]
     loss = (o.double() * do).sum() + (s.double() * ds).sum()
     grads = torch.autograd.grad(loss, [kw[n] for n in names])
     for n, gr in zip(names, grads):
@@ -269,7 +256,7 @@ def test_gradcheck(monkeypatch, case):
         kw, cu = make(seed=20, seqlens=(6, 0, 9), H=2, K=2, V=3, g="key", gv=True, g_gamma="seq",
                       initial_state=True)
         reverse = True
-    names = [n for n in NAMES if n in kw]
+    names = [n for n in cases.INPUTS if n in kw]
     plan = check(**kw, reverse=reverse, cu_seqlens=cu)
 
     def fn(*xs):
@@ -377,7 +364,7 @@ def test_custom_op_backward_matches_oracle(monkeypatch):
     kw, cu = make(seed=40, seqlens=(90, 0, 40, 130), H=2, K=4, V=3, g="head", gk=True,
                   gv=True, g_gamma="seq", initial_state=True)
     tiny_slabs(monkeypatch, kw, 64)
-    names = [n for n in NAMES if n in kw]
+    names = [n for n in cases.INPUTS if n in kw]
     gen = torch.Generator().manual_seed(41)
     for use in ("o", "state", "both"):
         o, s = torch_side.recurrent(**kw, cu_seqlens=cu, reverse=use == "both", platform="torch")
