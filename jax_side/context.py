@@ -95,8 +95,8 @@ def context_parallel(plan, local, axis, inputs, cu_seqlens, cu_global):
     local offsets from `local_offsets`). local(plan, inputs, cu_seqlens) -> (o,
     final_state): one platform's call. `inputs`: the arrays of `bridge.grads.INPUTS` by
     name (absent ones None), batched layout; cu_seqlens are the local offsets
-    (`local_offsets`) of the global ones, cu_global. Returns o [B,T,H,V] (this slice) and final_state
-    [N,H,K,V], the same on every device of `axis`.
+    (`local_offsets`) of the global ones, cu_global. Returns o [B,T,H,V] (this slice)
+    and final_state [N,H,K,V], the same on every device of `axis`.
     """
     P, p = axis_position(axis)
     q, g, gk, gv, g_gamma, initial_state = (inputs[n] for n in (

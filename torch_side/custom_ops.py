@@ -100,12 +100,9 @@ def direct(inputs: dict) -> bool:
 
 
 def forward(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, reverse, mode):
-    """The body of `fwd` (same arguments and results), for `direct` calls."""
+    """The body of `fwd` (same arguments and results), for `direct` calls (whose
+    cu_seqlens values were never traced: ops.recurrent has checked them)."""
     _check_mode(mode)
-    if cu_seqlens is not None and (mode == "torch" or cu_seqlens.device.type == "cpu"):
-        # values traced by the caller (torch.compile, vmap) are concrete here; read them
-        # where that costs no device sync (ops.recurrent checked everything else)
-        contract.check(q, k, v, cu_seqlens=cu_seqlens)
     inputs = _named(q, k, v, g, gk, gv, g_gamma, initial_state)
     plan = plan_of(**inputs, cu_seqlens=cu_seqlens, scale=scale, reverse=reverse)
     # the op accumulates in float32 itself: autocast must not downcast its internals
@@ -122,6 +119,10 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tenso
         gv: Optional[Tensor], g_gamma: Optional[Tensor], initial_state: Optional[Tensor],
         cu_seqlens: Optional[Tensor], scale: float, reverse: bool,
         mode: str) -> tuple[Tensor, Tensor]:
+    if cu_seqlens is not None and (mode == "torch" or cu_seqlens.device.type == "cpu"):
+        # values traced by the caller (torch.compile, vmap) are concrete here; read them
+        # where that costs no device sync (ops.recurrent checked everything else)
+        contract.check(q, k, v, cu_seqlens=cu_seqlens)
     return forward(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, reverse,
                    mode)
 

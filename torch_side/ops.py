@@ -54,14 +54,14 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
                   initial_state=initial_state)
     # with context_group, cu_seqlens are the global offsets: checked against all slices
     global_cu = context_group is not None and cu_seqlens is not None
-    shape_only = global_cu or _values_traced(cu_seqlens)
+    traced = _values_traced(cu_seqlens)
     call = dispatch.prepare(
         inputs, softmax_scale=softmax_scale, reverse=reverse,
-        cu_seqlens=contract.ShapeOnly(cu_seqlens) if shape_only else cu_seqlens,
+        cu_seqlens=contract.ShapeOnly(cu_seqlens) if global_cu or traced else cu_seqlens,
         platform=platform, mode=mode, platforms=PLATFORMS, fallback="torch",
         gpu=q.device.type == "cuda")
     plan = call.plan
-    if global_cu and not _values_traced(cu_seqlens):
+    if global_cu and not traced:
         contract.check_offsets(cu_seqlens, P * plan.T)
     if call.platform == "triton":
         triton_launch.check_device(q)
