@@ -40,6 +40,11 @@ def test_quick_end_to_end(tmp_path):
     md = (tmp_path / "BENCHMARKS.md").read_text()
     data = json.loads((tmp_path / "results.json").read_text())
     assert "| T | torch-native |" in md and "## GPU" in md and "## Targets" in md
+    # the chunk-matmul ceiling: both frameworks measured for every benchmarked shape
+    ceil = data["machine"]["chunk_matmul"]
+    assert [tuple(r["shape"]) for r in ceil] == [(1, 2, 16, 16)]
+    assert all(r["torch"] > 0 and r["xla"] > 0 for r in ceil)
+    assert "| (1, 2, 16, 16), 96 | " in md
     if importlib.util.find_spec("matplotlib") is not None:  # the bench extra's plotting
         assert list(tmp_path.glob("*.png"))
     else:

@@ -12,7 +12,7 @@ import importlib.metadata
 import os
 import sys
 
-from . import timing
+from . import report, timing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_OUT = os.path.join(ROOT, "parity", "bench", "results")
@@ -133,7 +133,7 @@ def main(argv=None):
 
     import torch
 
-    from . import anchors, report, runner
+    from . import anchors, runner
 
     torch.set_num_threads(args.threads)
     shapes = args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
@@ -160,6 +160,9 @@ def main(argv=None):
     machine["matmul_n"] = 512 if args.quick else 2048
     machine["matmul_gflops"] = timing.matmul_gflops(machine["matmul_n"])
     machine["copy_gbps"] = timing.copy_gbps(16 * 2 ** 20 if args.quick else 256 * 2 ** 20)
+    t_chunk = report.TARGET_AT if report.TARGET_AT in Ts else max(Ts)
+    machine["chunk_matmul"] = [{"shape": list(s), "T": t_chunk,
+                                **timing.chunk_matmul_gflops(s, t_chunk)} for s in shapes]
     machine["budget_s"] = settings.budget_s
     machine["command"] = "python -m parity.bench " + " ".join(argv)
 
@@ -221,7 +224,7 @@ def _run_groups(args, impls, log):
 def _write_outputs(args, records, impls, machine, checks, gpu_section, json_path, log,
                    readiness=None, compile_time=None, multidevice=None, decode=None,
                    profile=None):
-    from . import anchors, report
+    from . import anchors
 
     os.makedirs(args.out, exist_ok=True)
     md_path = args.md or (os.path.join(ROOT, "BENCHMARKS.md")

@@ -164,6 +164,26 @@ def targets(records, machine) -> list:
     return lines
 
 
+def ceilings(machine) -> list:
+    """What one batched matmul of the chunk shape reaches in each framework (measured in
+    this run): the matmuls of a chunked path cannot run faster than that."""
+    rows = machine.get("chunk_matmul")
+    if not rows:
+        return []
+    rate = machine.get("matmul_gflops") or 0
+
+    def pct(x):
+        return f"{x:.0f} GFLOP/s ({100 * x / rate:.0f}%)" if rate else f"{x:.0f} GFLOP/s"
+
+    lines = ["Ceiling for the chunked paths' matmuls, measured in this run: one batched "
+             "fp32 matmul [Z, 32, K] x [Z, K, V] over every 32-token chunk of every row and "
+             "head (Z = B*H*T/32), median after warm-up (% of the fp32 matmul rate above):", "",
+             "| (B,H,K,V), T | torch.bmm | XLA dot (jitted) |", "|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {tuple(r['shape'])}, {r['T']} | {pct(r['torch'])} | {pct(r['xla'])} |")
+    return lines + [""]
+
+
 # fwd+bwd peak memory (MiB) at T=4096 in the run before issue 19 (BENCHMARKS.md of
 # 2026-11-23): the issue asks for <= 0.6x of these
 FWDBWD_PEAK_BEFORE_MIB = {"torch-native": {(2, 8, 64, 64): 501, (1, 4, 128, 128): 273},
@@ -273,7 +293,7 @@ def markdown(records, impls, baselines, machine, checks, plots=(), gpu=None,
         c = checks.get(i.name, {})
         lines.append(f"| {i.name} | " + " | ".join(
             "ok" if c.get(md) is None else c[md].replace("|", "/") for md in ("fwd", "fwdbwd")) + " |")
-    lines += ["", "## Targets", ""] + targets(records, m) + [""]
+    lines += ["", "## Targets", ""] + targets(records, m) + [""] + ceilings(m)
     lines += ["## CPU results", ""] + shape_tables(records, impls, baselines, m)
     for p in plots:
         lines += [f"![{os.path.basename(p)}]({p})", ""]

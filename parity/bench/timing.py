@@ -80,3 +80,37 @@ def copy_gbps(n_bytes: int = 256 * 2 ** 20, repeats: int = 5) -> float:
     dst = torch.empty_like(src)
     dst.copy_(src)
     return 2 * n_bytes / median(timed(lambda: dst.copy_(src)) for _ in range(repeats)) / 1e9
+
+
+# The chunk the chunked forwards use on CPU (torch_side/native.py, jax_side/xla.py's slab
+# scan): one batched matmul [Z, C, K] x [Z, K, V] over every chunk of every row and head
+# is the shape their matmuls have, so its rate bounds what a chunked path can reach.
+CHUNK = 32
+
+
+def chunk_matmul_gflops(shape, T: int, repeats: int = 5) -> dict:
+    """Rate (GFLOP/s) of one batched fp32 matmul [Z, C, K] x [Z, K, V], Z = B*H*T/C
+    chunks of C = CHUNK tokens for shape (B, H, K, V): torch.bmm and XLA's jitted dot
+    (median after a warm-up), {"torch": x, "xla": y}."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    B, H, K, V = shape
+    Z = B * H * max(1, T // CHUNK)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((Z, CHUNK, K), dtype=np.float32)
+    b = rng.standard_normal((Z, K, V), dtype=np.float32)
+    flops = 2 * Z * CHUNK * K * V
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    dot = jax.jit(lambda x, y: jnp.einsum("zck,zkv->zcv", x, y))
+    ja, jb = jnp.asarray(a), jnp.asarray(b)
+    runs = {"torch": lambda: torch.bmm(ta, tb),
+            "xla": lambda: dot(ja, jb).block_until_ready()}
+    out = {}
+    for name, fn in runs.items():
+        fn()
+        fn()  # warm-up: compile, first touch of the output's pages
+        out[name] = flops / median(timed(fn) for _ in range(repeats)) / 1e9
+    return out
