@@ -9,8 +9,8 @@ active there. The slots are processed a slab of consecutive steps at a time, gat
 straight from the token-layout inputs and scattered straight into the outputs, so
 memory is the outputs plus one slab's workspace. Forward and backward are written
 by hand. The backward first runs the state recurrence alone to get the state entering
-every slab, then walks the slabs in reverse order: each recomputes its forward from
-its entering state and passes the gradient of that state on to the slab before it.
+every chunk, then walks the slabs in reverse order: each recomputes its in-chunk terms
+from those states and passes the gradient of its entering state on to the slab before it.
 
 Precision: the decay between tokens j <= i of a chunk is exp(gates summed over
 (j, i]). Exponents are always sums of the gates they span, never differences of
@@ -37,9 +37,9 @@ LIMIT = 30.0  # largest |log decay| an in-block factor may carry (exp(30) ~ 1e13
 # Elements of one slab input [H, slots, C, D], at most: a forward slab holds ~20 such
 # arrays besides its output, so a slab input is also kept below 1/SHARE of the output
 # (down to SLAB // 4); fewer, larger slabs cost less per op. A backward slab may be BACK
-# times larger (its memory is mostly the gradients). SHARE = 32 met the no-grad forward
-# memory target at (1,4,128,128) (2.7x output + state, 3.4x with 16) but made that
-# forward 1.2-1.4x slower on 2 threads: 16 keeps the speed.
+# times larger (its memory is mostly the gradients). Smaller slabs (SHARE = 32) cost the
+# forward 1.2-1.4x on 2 threads at (1,4,128,128); since the forward frees each temporary
+# when used, 16 keeps its peak below 3x output + state there.
 SLAB = 1 << 18
 SHARE = 16
 BACK = 4
@@ -54,7 +54,9 @@ def _table(cu: tuple, C: int, reverse: bool):
     position ("step"), then rank, so the sequences active at step c are ranks
     [0, cnt[c]) and their slots are contiguous. tok [M*C]: token read by each slot
     position (0 at padding); mask [M, C, 1] (None without padding); seq [M]: sequence
-    of each slot; order/unorder: rank <-> sequence.
+    of each slot; order/unorder: rank <-> sequence. grid: the number of sequences when
+    they all have the same whole number of chunks, in order, forwards (then slot
+    step * grid + s reads the step-th chunk of sequence s: a strided view), else None.
     """
     cu = np.asarray(cu, dtype=np.int64)
     lens = np.diff(cu)
@@ -67,7 +69,9 @@ def _table(cu: tuple, C: int, reverse: bool):
     valid = pos < lens[seq][:, None]
     tok = np.where(valid, cu[seq + 1][:, None] - 1 - pos if reverse else cu[seq][:, None] + pos, 0)
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+    even = not reverse and len(lens) and (lens == lens[0]).all() and lens[0] % C == 0
     return dict(tok=t(tok.reshape(-1)), seq=t(seq), cnt=active.sum(1).tolist(),
+                grid=len(lens) if even else None,
                 order=t(order), unorder=t(np.argsort(order)), M=len(seq),
                 mask=None if valid.all() else torch.from_numpy(valid[..., None]))
 
@@ -121,19 +125,21 @@ class _Side:
     sums stay within LIMIT.
     """
 
-    def __init__(self, ea, eb, tau):
-        self.ea, self.eb, self.tau, self.w = ea, eb, tau, ea.shape[-2]
+    def __init__(self, ea, eb, tau, w=None):
+        self.ea, self.eb, self.tau, self.w = ea, eb, tau, eb.shape[-2] if w is None else w
 
     @staticmethod
-    def of(a, w):
+    def of(a, w, updates_only=False):
         """The decays of gates a [H, M, C, D] in blocks of w, or of the widest narrower w
-        within LIMIT."""
+        within LIMIT. updates_only: without ea (None), which only the queries read."""
         while True:
             one = torch.ones(w, w, dtype=a.dtype, device=a.device)
             beta = torch.matmul(one.triu(1), a.unflatten(-2, (-1, w)))
             if w == 1 or float(beta[..., 0, :].abs().amax()) <= LIMIT:
                 break
             w //= 2
+        if updates_only:
+            return _Side(None, beta.exp_(), a.unflatten(-2, (-1, w)).sum(-2), w)
         alpha = torch.matmul(one.tril(), a.unflatten(-2, (-1, w)))
         tau = alpha[..., -1, :].clone()
         return _Side(alpha.exp_(), beta.exp_(), tau)
@@ -265,14 +271,15 @@ def _backward(saved, w, levels, cnt, do, dfin):
     return dq, dk, dv, da, db, dh0
 
 
-def _sides(a, b, C):
+def _sides(a, b, C, updates_only=False):
     """The decays of key gates a and value gates b [H, M, C, D] (or None) in w-blocks of
-    one common width w, and the levels (segment halves w .. C/2): (A, B, w, levels)."""
+    one common width w, and the levels (segment halves w .. C/2): (A, B, w, levels).
+    updates_only: only what _updates reads (see _Side.of)."""
     w = min(SUB, C)
-    A = _Side.of(a, w) if a is not None else _NoSide()
-    B = _Side.of(b, min(A.w, w)) if b is not None else _NoSide()
+    A = _Side.of(a, w, updates_only) if a is not None else _NoSide()
+    B = _Side.of(b, min(A.w, w), updates_only) if b is not None else _NoSide()
     if a is not None and A.w > B.w:  # the value side needed narrower blocks
-        A = _Side.of(a, B.w)
+        A = _Side.of(a, B.w, updates_only)
     w = min(A.w, B.w, w)
     return A, B, w, [w << i for i in range((C // w).bit_length() - 1)]
 
@@ -284,43 +291,65 @@ def _updates(k, v, A, B, w):
     return kb, vb, A.chunk(kb, 0), B.chunk(vb, 0)
 
 
-def _forward(q, k, v, a, b, h0, cnt, after=0):
+def _forward(q, k, v, a, b, h0, cnt, after=0, out=True, save=True, starts=None):
     """The recurrence on slot-layout tensors: q [H,M,C,K] (scaled), k [H,M,C,K], v [H,M,C,V],
     a [H,M,C,K|1] or None, b [H,M,C,V] or None, h0 [H,N,K,V] in rank order, cnt the
     sequences active at each step. Zero padding tokens (gate 0) leave the state unchanged.
     `after`: how many sequences go on past these steps (a slab of a longer run; their
     states come back as `carry` [H, after, K, V] and are not among the final states).
     Returns (o [H,M,C,V], final states [H, N - after, K, V] (rank order), carry, the
-    tensors _backward reads, (w, levels))."""
+    tensors _backward reads (None with save=False: each temporary goes when used),
+    (w, levels)); with out=False (a backward's recompute) o is None unless _backward
+    reads it (value gates). `starts`: the states entering every chunk [H,M,K,V] when
+    known (a backward's recompute): then the recurrence is not run and the final states
+    and carry are None."""
     A, B, w, levels = _sides(a, b, q.shape[-2])
     blocks = lambda x: x.unflatten(-2, (-1, w))
+    out = out or b is not None
 
     kb, vb, ku, vu = _updates(k, v, A, B, w)
+    # the state recurrence first: its [K, V]-per-chunk arrays go before the in-chunk ones come
+    fin = carry = None
+    if starts is None:
+        U = _mm(ku.mT, vu)
+        if not save:
+            del ku, vu
+        starts, fin, carry = _recur(U, _decay(A, B), h0, cnt, after)
+        del U
     qa, qc = _blk(q, A.ea, w), _blk(q, A.eb, w, div=True)
+    qi = A.chunk(qa, 1)
+    o = B.chunk(_mm(qi, starts), 1, inplace=True) if out else None
+    if not save:
+        del qi, starts
     # diagonal blocks, referenced at the block end; with value gates each token's own term
     # (j = i) apart, for their gradient (see _backward)
     Pd = _mm(blocks(qc), blocks(kb).mT).tril_(-1 if b is not None else 0)
     Pii = (q * k).sum(-1, keepdim=True) if b is not None else None
-    yd = _mm(Pd, blocks(vb))
     # right halves of 2s-segments against their left halves, referenced at the midpoint
-    Ps, ys = [], []
+    Ps = []
     for s in levels:
         qs, ks = A.at(_part(qa, s, 1), s, 1), A.at(_part(kb, s, 0), s, 0)
-        Ps.append(_mm(qs, ks.mT))
-        ys.append(_mm(Ps[-1], B.at(_part(vb, s, 0), s, 0)))
-    # the state recurrence
-    qi = A.chunk(qa, 1)
-    starts, fin, carry = _recur(_mm(ku.mT, vu), _decay(A, B), h0, cnt, after)
-    o = B.chunk(_mm(qi, starts), 1, inplace=True)
-    for s, y in zip(levels, ys):
-        _part(o, s, 1).add_(B.at(y, s, 1, inplace=True))
-    if B.eb is not None:
-        yd = _blk(yd.flatten(-3, -2), B.eb, w, div=True, inplace=True)
-        o = _blk(o, B.ea, w, inplace=True).add_(yd)
-    else:
-        blocks(o).add_(yd)
-    saved = (q, k, v, qa, kb, qc, vb, qi, ku, vu, Pd, Pii, starts,
-             o if b is not None else None, *A.tensors(), *B.tensors(), *Ps)
+        P = _mm(qs, ks.mT)
+        del qs, ks
+        if out:
+            y = _mm(P, B.at(_part(vb, s, 0), s, 0))
+            _part(o, s, 1).add_(B.at(y, s, 1, inplace=True))
+            del y
+        if save:
+            Ps.append(P)
+        del P
+    if out:
+        yd = _mm(Pd, blocks(vb))
+        if B.eb is not None:
+            yd = _blk(yd.flatten(-3, -2), B.eb, w, div=True, inplace=True)
+            o = _blk(o, B.ea, w, inplace=True).add_(yd)
+        else:
+            blocks(o).add_(yd)
+        del yd
+    saved = None
+    if save:
+        saved = (q, k, v, qa, kb, qc, vb, qi, ku, vu, Pd, Pii, starts,
+                 o if b is not None else None, *A.tensors(), *B.tensors(), *Ps)
     return (torch.addcmul(o, Pii, v) if b is not None else o), fin, carry, saved, (w, levels)
 
 
@@ -466,17 +495,35 @@ class _Slots:
         """[m, C, 1] True at real tokens of slots r0:r1, or None without padding."""
         return None if self.tab["mask"] is None else self.tab["mask"][r0:r1]
 
+    def _grid(self, x, r0, r1):
+        """x [L, h, D] at slots r0:r1 as a strided view [h, m / n, n, C, D] (see _table's
+        grid: n sequences), or None where the slots are not a grid."""
+        n = self.tab["grid"]
+        if n is None:
+            return None
+        # slots step * n + s: steps r0 // n .. r1 // n of every sequence s
+        xv = x.view(n, -1, self.C, *x.shape[1:])[:, r0 // n:r1 // n]
+        return xv.permute(3, 1, 0, 2, 4)
+
     def gather(self, x, r0, r1, scale=1.0):
         """[L, h, D] -> slots r0:r1 as [h, m, C, D] in the compute dtype, 0 at padding."""
-        y = x.index_select(0, self.tok[r0:r1].reshape(-1))
-        y = y.view(r1 - r0, self.C, *x.shape[1:]).permute(2, 0, 1, 3)
-        y = y.to(self.cd, memory_format=torch.contiguous_format, copy=True)
+        view = self._grid(x, r0, r1)
+        if view is not None:  # one strided copy
+            y = torch.empty(view.shape, dtype=self.cd, device=x.device).copy_(view).flatten(1, 2)
+        else:
+            y = x.index_select(0, self.tok[r0:r1].reshape(-1))
+            y = y.view(r1 - r0, self.C, *x.shape[1:]).permute(2, 0, 1, 3)
+            y = y.to(self.cd, memory_format=torch.contiguous_format, copy=True)
         y = y.mul_(scale) if scale != 1.0 else y
         keep = self.keep(r0, r1)
         return y if keep is None else y.mul_(keep)
 
     def scatter(self, dst, y, r0, r1):
         """dst [L, h, D] at the tokens of slots r0:r1 <- y [h, m, C, D] (padding left out)."""
+        view = self._grid(dst, r0, r1)
+        if view is not None:  # straight into dst
+            view.copy_(y.reshape(view.shape))
+            return
         idx = self.tok[r0:r1].reshape(-1)
         y = y.permute(1, 2, 0, 3).reshape(-1, *dst.shape[1:]).to(dst.dtype)
         keep = self.keep(r0, r1)
@@ -522,7 +569,7 @@ def _streamed(plan, tab, C, cd, q, k, v, g, gk, gv, g_gamma, initial_state):
     state, finals = S.by_rank(initial_state, plan.N, q), []
     for r0, r1, cnt, after in S.slabs():
         # only o, the final states and the carry: the slab's saved tensors go right away
-        y, fin, state = _forward(*S.inputs(r0, r1), state, cnt, after)[:3]
+        y, fin, state = _forward(*S.inputs(r0, r1), state, cnt, after, save=False)[:3]
         finals.append(fin)
         S.scatter(o, y, r0, r1)
         del y
@@ -534,10 +581,11 @@ def _streamed_backward(plan, tab, C, cd, inputs, do, dfinal_state):
     """Gradients of `inputs` (q, k, v, g, gk, gv, g_gamma, initial_state; None for absent
     ones, and in their place) from do [B,T,H,V] and dfinal_state [N,H,K,V] (either None),
     each in its input's dtype and shape. First the state recurrence alone gives the state
-    entering each slab; then, slab by slab in reverse, _forward recomputes the slab from
-    that state and _backward turns the output's gradient and the gradient of the states
+    entering each chunk; then, slab by slab in reverse, _forward recomputes the slab from
+    those states and _backward turns the output's gradient and the gradient of the states
     leaving the slab into the slab's input gradients and that of its entering state.
-    Memory: the gradients, the slab-entering states and one slab's workspace."""
+    Memory: the gradients, the chunk-entering states ([H, K, V] a chunk: an input's size
+    at K = V = C) and one slab's workspace."""
     q, k, v, g, gk, gv, g_gamma, h0 = inputs
     H, Hk, K, V, N = plan.H, plan.Hk, plan.K, plan.V, plan.N
     if do is None and dfinal_state is None:
@@ -545,11 +593,12 @@ def _streamed_backward(plan, tab, C, cd, inputs, do, dfinal_state):
     S = _Slots(plan, tab, C, cd, q, k, v, g, gk, gv, g_gamma)
     slabs, entering, state = S.slabs(BACK), [], S.by_rank(h0, N, q)
     for r0, r1, cnt, after in slabs:  # the states only: no in-chunk terms
-        entering.append(state)
         _, sk, sv, a, b = S.inputs(r0, r1, with_q=False)
-        A, B, w, _ = _sides(a, b, C)
+        A, B, w, _ = _sides(a, b, C, updates_only=True)
         ku, vu = _updates(sk, sv, A, B, w)[2:]
-        state = _recur(_mm(ku.mT, vu), _decay(A, B), state, cnt, after)[2]
+        n = state.shape[1]  # the sequences entering the slab
+        starts, _, state = _recur(_mm(ku.mT, vu), _decay(A, B), state, cnt, after)
+        entering.append((starts, n))  # every chunk's: the recompute skips the recurrence
     del state
 
     L, dev = S.L, q.device
@@ -562,12 +611,13 @@ def _streamed_backward(plan, tab, C, cd, inputs, do, dfinal_state):
     do = None if do is None else do.reshape(L, H, V)
     dfin = S.by_rank(dfinal_state, N, q)
     dcarry = dfin if not slabs else dfin[:, :0]  # the gradient of the states leaving a slab
-    for (r0, r1, cnt, after), h in zip(reversed(slabs), reversed(entering)):
-        saved, (w, levels) = _forward(*S.inputs(r0, r1), h, cnt, after)[3:]
+    for (r0, r1, cnt, after), (st, n) in zip(reversed(slabs), reversed(entering)):
+        saved, (w, levels) = _forward(*S.inputs(r0, r1), None, cnt, after, out=False,
+                                      starts=st)[3:]
         sdo = S.gather(do, r0, r1) if do is not None else torch.zeros(
             H, r1 - r0, C, V, dtype=cd, device=dev)
         # the carry's gradient first, then the final states of the sequences ending here
-        dleave = torch.cat([dcarry, dfin[:, after:h.shape[1]]], 1)
+        dleave = torch.cat([dcarry, dfin[:, after:n]], 1)
         sdq, sdk, sdv, sda, sdb, dcarry = _backward(saved, w, levels, cnt, sdo, dleave)
         del saved, sdo
         S.scatter(dq, sdq.mul_(plan.scale), r0, r1)
