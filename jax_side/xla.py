@@ -30,7 +30,7 @@ from jax import lax
 
 from .chunk_layout import Layout
 from .sharding import vary, varying
-from .xla_decay import SUB, level, local, rowdot, spans
+from .xla_decay import SUB, level, local, rowdot, span_factors, spans
 from .xla_intra import forward_p, key_intra, tree_p
 
 # The forward-only scan (`streamed`): its chunk (at most the caller's chunk_size; 32 ran
@@ -307,18 +307,19 @@ class Slabs:
         a = sum(a[1:], a[0])
         cq, ck, cv, a = (x.reshape(B * H * n, C, x.shape[-1]) for x in (cq, ck, cv, a))
         ka = local(a)
-        o = key_intra(cq, ck, cv, a) if differentiable else forward_p(cq, ck, ka) @ cv
-        into, after = spans(*ka, C)
-        q_in, dA = cq * jnp.exp(into), jnp.exp(jnp.sum(ka[2], 1))
-        u = jnp.einsum("zck,zcv->zkv", ck * jnp.exp(after), cv)
+        ea, eb = jnp.exp(ka[0]), jnp.exp(ka[1])  # shared by the weights and the spans
+        q_in, k_up = span_factors(cq, ea, ck, eb, ka[2], C)
+        dA = jnp.exp(jnp.sum(ka[2], 1))
+        u = jnp.einsum("zck,zcv->zkv", k_up, cv)
         dA, u = dA.reshape(B * H, n, K, 1), u.reshape(B * H, n, K, V)
         s = s.reshape(B * H, K, V)
         entering = []
         for i in range(n):  # the state recurrence over the slab's chunks
             entering.append(s)
             s = s * dA[:, i] + u[:, i]
-        o = o.reshape(B * H, n, C, V) + jnp.einsum(
-            "znck,znkv->zncv", q_in.reshape(B * H, n, C, K), jnp.stack(entering, 1))
+        entering = jnp.stack(entering, 1).reshape(-1, K, V)
+        o = key_intra(cq, ck, cv, a) if differentiable else forward_p(cq, ck, ka, ea, eb) @ cv
+        o = o + q_in @ entering
         o = o.reshape(B, H, W, V).transpose(0, 2, 1, 3)
         return (jnp.flip(o, 1) if plan.reverse else o), s.reshape(B, H, K, V)
 

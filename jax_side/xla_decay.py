@@ -7,7 +7,6 @@ subtracted, which keeps strong gates at scan-level precision.
 """
 
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 SUB = 16  # sub-chunk width: the span of in-block cumulative log-gate sums
@@ -19,11 +18,26 @@ def local(a):
     end (its own suffix scan, so nothing cancels), tau [Z, C/16, D] block totals."""
     Z, C, D = a.shape
     b = a.reshape(Z, C // SUB, SUB, D)
-    # triangular matmuls: XLA CPU's cumulative sums (reduce-window) cost several times more
-    ones = np.ones((SUB, SUB))
-    alpha = jnp.einsum("ts,znsd->zntd", jnp.asarray(np.tril(ones), a.dtype), b)
-    beta = jnp.einsum("ts,znsd->zntd", jnp.asarray(np.triu(ones, 1), a.dtype), b)
-    return alpha.reshape(Z, C, D), beta.reshape(Z, C, D), alpha[:, :, -1]
+    # running sums unrolled over the block's 16 rows: XLA CPU fuses them into one pass
+    # with the [.., D] rows contiguous (its cumulative sums, reduce-window, cost several
+    # times more; triangular matmuls need transposes around a K=16 dot)
+    pre, suf = [b[:, :, 0]], [jnp.zeros_like(b[:, :, 0])]
+    for i in range(1, SUB):
+        pre.append(pre[-1] + b[:, :, i])
+        suf.append(suf[-1] + b[:, :, SUB - i])
+    alpha, beta = jnp.stack(pre, 2), jnp.stack(suf[::-1], 2)
+    return alpha.reshape(Z, C, D), beta.reshape(Z, C, D), pre[-1]
+
+
+def _blocks_around(tau, w):
+    """Whole 16-blocks of t's aligned w-segment before t's block and after it, both
+    [Z, C/16, 1, D] for block totals tau [Z, C/16, D]: sums of gates, <= 0."""
+    Z, nc, D = tau.shape
+    t = tau.reshape(Z, nc * SUB // w, w // SUB, D)
+    zero = jnp.zeros_like(t[:, :, :1])
+    before = lax.cumsum(jnp.concatenate([zero, t[:, :, :-1]], 2), axis=2)
+    after = lax.cumsum(jnp.concatenate([t[:, :, 1:], zero], 2), axis=2, reverse=True)
+    return before.reshape(Z, nc, 1, D), after.reshape(Z, nc, 1, D)
 
 
 def spans(alpha, beta, tau, w):
@@ -31,15 +45,22 @@ def spans(alpha, beta, tau, w):
     after t to that segment's end (out), both [Z, C, D], w a multiple of 16:
     in-block sums plus whole 16-blocks, all terms <= 0 for gates <= 0."""
     Z, C, D = alpha.shape
-    nb = w // SUB
-    t = tau.reshape(Z, C // w, nb, D)
-    zero = jnp.zeros_like(t[:, :, :1])
-    before = lax.cumsum(jnp.concatenate([zero, t[:, :, :-1]], 2), axis=2)
-    after = lax.cumsum(jnp.concatenate([t[:, :, 1:], zero], 2), axis=2, reverse=True)
-    blk = lambda x: x.reshape(Z, C // SUB, 1, D)
-    into = alpha.reshape(Z, C // SUB, SUB, D) + blk(before)
-    out = beta.reshape(Z, C // SUB, SUB, D) + blk(after)
+    before, after = _blocks_around(tau, w)
+    into = alpha.reshape(Z, C // SUB, SUB, D) + before
+    out = beta.reshape(Z, C // SUB, SUB, D) + after
     return into.reshape(Z, C, D), out.reshape(Z, C, D)
+
+
+def span_factors(x, ex, y, ey, tau, w):
+    """x * e^{into} and y * e^{out} [Z, C, D] for `spans`' exponents, from ex = e^{alpha}
+    and ey = e^{beta} [Z, C, D] (already at hand for the in-chunk weights): only the
+    whole-block terms [Z, C/16, D] are exponentiated here, not another [Z, C, D] pass.
+    Each factor is <= 1, so a product underflows only where the exact one does."""
+    Z, C, D = x.shape
+    before, after = (jnp.exp(e) for e in _blocks_around(tau, w))
+    blk = lambda z: z.reshape(Z, C // SUB, SUB, D)  # noqa: E731
+    return ((blk(x * ex) * before).reshape(Z, C, D),
+            (blk(y * ey) * after).reshape(Z, C, D))
 
 
 def level(alpha, beta, tau, h):
