@@ -388,10 +388,13 @@ def test_streamed_memory_is_output_plus_a_slab(monkeypatch):
     kw, _ = make(seed=32, B=B, T=T, H=H, K=K, V=V, g="key", dtype=torch.float32)
     plan = check(**kw)
     call = lambda x: recurrent_native(plan, x["q"], x["k"], x["v"], g=x["g"])
+    # resident-set growth during a call, the least of 3: glibc adds arenas when threads
+    # contend for its lock (more under load), which only ever adds to what a call needs
+    least = lambda fn: min(peak_memory_bytes(fn) for _ in range(3))
     with torch.no_grad():
         o, s = call(kw)
-        peak = peak_memory_bytes(lambda: call(kw))  # resident-set growth during the call
-    graph_peak = peak_memory_bytes(lambda: call(kw))
+        peak = least(lambda: call(kw))
+    graph_peak = least(lambda: call(kw))
     out = (o.numel() + s.numel()) * 4
     one_input = B * T * H * K * 4
     assert peak <= out + one_input, (peak, out)  # a slab: 1/64 of the tokens, ~25 arrays
@@ -399,8 +402,7 @@ def test_streamed_memory_is_output_plus_a_slab(monkeypatch):
     o, s = call(kw)
     do, ds = torch.ones_like(o), torch.ones_like(s)
     leaves = list(kw.values())
-    back_peak = peak_memory_bytes(lambda: torch.autograd.grad([o, s], leaves, [do, ds],
-                                                              retain_graph=True))
+    back_peak = least(lambda: torch.autograd.grad([o, s], leaves, [do, ds], retain_graph=True))
     assert back_peak <= 4 * one_input + 2 * one_input, (back_peak, one_input)  # 4 gradients
 
 
