@@ -130,10 +130,54 @@ def _expect_float(name, x):
         raise TypeError(f"{name}: expected a floating dtype ({', '.join(FLOAT_DTYPES)}), got {dt}")
 
 
+_PLANS: dict = {}  # signature -> Plan of arguments that passed (see check)
+_PLANS_MAX = 256
+
+
+def _signature(x):
+    """What `check` reads of an array besides cu_seqlens values: its type, shape, dtype
+    and device (torch's own device object: cheaper than its label)."""
+    if x is None:
+        return None
+    t = type(x)
+    if t.__module__.startswith("torch"):  # a symbolic size refuses to hash
+        return t, x.shape, x.dtype, x.device
+    shape = tuple(x.shape)
+    if not all(type(s) is int for s in shape):  # symbolic (jax.export): no memo
+        raise TypeError("symbolic shape")
+    return t, shape, x.dtype, _device(x)
+
+
 def check(q, k, v, *, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
-          initial_state=None, reverse=False, cu_seqlens=None) -> Plan:
+          initial_state=None, reverse=False, cu_seqlens=None, memo=True) -> Plan:
     """Validate the arguments of `recurrent` (SPEC.md) and return their Plan (every
-    argument after v by name: the public order and the launchers' differ)."""
+    argument after v by name: the public order and the launchers' differ).
+
+    Without cu_seqlens the Plan depends only on each array's `_signature` and the two
+    scalars, so with `memo` arguments that passed once are not checked again (a decoding
+    step's check would cost as much as its recurrence); anything new, or that fails, runs
+    the full check every time. memo=False while torch.compile traces the call: hashing a
+    shape there would specialize it."""
+    if cu_seqlens is not None or not memo:
+        return _check(q, k, v, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse,
+                      cu_seqlens)
+    try:
+        key = (tuple(map(_signature, (q, k, v, g, g_gamma, gk, gv, initial_state))),
+               type(softmax_scale), softmax_scale, type(reverse), reverse)
+        plan = _PLANS.get(key)
+    except Exception:  # not an array, or unhashable: the full check says what is wrong
+        key = plan = None
+    if plan is None:
+        plan = _check(q, k, v, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse, None)
+        if key is not None:
+            if len(_PLANS) >= _PLANS_MAX:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan
+
+
+def _check(q, k, v, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse,
+           cu_seqlens) -> Plan:
     arrays = {"q": q, "k": k, "v": v, "g": g, "g_gamma": g_gamma, "gk": gk, "gv": gv,
               "initial_state": initial_state}
     for name, x in arrays.items():

@@ -32,11 +32,12 @@ class Call(NamedTuple):
 
 
 def prepare(inputs: dict, *, softmax_scale, reverse, cu_seqlens, platform, mode,
-            platforms, fallback, gpu, tpu=False) -> Call:
+            platforms, fallback, gpu, tpu=False, memo=True) -> Call:
     """Check the arguments (`inputs`: the arrays of `grads.INPUTS` by name, absent ones
-    None or left out), then resolve the platform and the kernel."""
+    None or left out; `memo` as `contract.check`), then resolve the platform and the
+    kernel."""
     plan = contract.check(**inputs, softmax_scale=softmax_scale, reverse=reverse,
-                          cu_seqlens=cu_seqlens)
+                          cu_seqlens=cu_seqlens, memo=memo)
     platform = route(platform, mode, platforms, fallback, gpu=gpu, tpu=tpu)
     return Call(plan, platform, kernel_mode(mode, plan) if platform == "triton" else platform)
 

@@ -149,9 +149,9 @@ def stepwise(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial_stat
         if gam is not None:
             a.append(gam[..., None])
         if a:
-            S = S * jnp.exp(sum(a[1:], a[0]))[..., None]
+            S = jnp.exp(sum(a[1:], a[0]))[..., None] * S  # (as a plain update: same program)
         if gv is not None:
-            S = S * jnp.exp(col(gv, t))[..., None, :]
+            S = jnp.exp(col(gv, t))[..., None, :] * S
         kt, vt = col(k, t), col(v, t)
         if G > 1:  # query head h reads kv head h // G
             kt, vt = jnp.repeat(kt, G, axis=1), jnp.repeat(vt, G, axis=1)

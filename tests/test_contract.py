@@ -166,6 +166,25 @@ def test_numpy_mixes_with_jax():
     assert contract.check(**args).g == "head"
 
 
+def test_a_remembered_plan_checks_whatever_changed():
+    """check remembers the Plan of torch arguments that passed (decoding repeats them):
+    the same arguments give the full check's Plan again, and the same shapes with another
+    dtype, device, framework, scale or reverse are checked again, with the same errors."""
+    args = _args(torch.from_numpy)
+    plan = contract.check(**args, softmax_scale=0.5)
+    assert contract.check(**args, softmax_scale=0.5) == plan
+    assert plan == contract.check(**args, softmax_scale=0.5, memo=False)
+    bad = [(dict(softmax_scale=float("nan")), ValueError, "softmax_scale"),
+           (dict(softmax_scale=True), TypeError, "softmax_scale"),
+           (dict(reverse=1), TypeError, "reverse"),
+           (dict(k=args["k"].int()), TypeError, "k"),
+           (dict(v=args["v"].to("meta")), ValueError, "v"),
+           (dict(v=args["v"].numpy()), TypeError, "v")]
+    for over, exc, name in bad:
+        with pytest.raises(exc, match=f"^{name}: "):
+            contract.check(**{**args, "softmax_scale": 0.5, **over})
+
+
 @pytest.mark.parametrize("other", ["numpy", "jax"])
 @pytest.mark.parametrize("first", ["torch", "other"])
 def test_torch_mixes_with_nothing_else(first, other):

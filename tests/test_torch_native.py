@@ -406,16 +406,23 @@ def test_streamed_memory_is_output_plus_a_slab(monkeypatch):
     assert back_peak <= 4 * one_input + 2 * one_input, (back_peak, one_input)  # 4 gradients
 
 
-@pytest.mark.parametrize("T,reverse", [(1, False), (3, True)])
-def test_decode_steps_match_oracle(T, reverse):
+@pytest.mark.parametrize("T,reverse,case", [
+    (1, False, dict(Hk=2, g="key", gk=True, gv=True, g_gamma="seq", initial_state=True)),
+    (3, True, dict(Hk=2, g="key", gk=True, gv=True, g_gamma="seq", initial_state=True)),
+    (1, False, dict(g="head", g_gamma="head")),  # no initial state, H == Hk
+    (2, False, dict(Hk=2, gv=True, dtype=torch.bfloat16)),  # o in bf16, computed in fp32
+])
+def test_decode_steps_match_oracle(T, reverse, case):
     """A few tokens a row without autograd (decoding) take the step-by-step update (_steps):
-    every gate kind, GQA, per-sequence g_gamma, an initial state; the inputs stay untouched."""
-    kw, _ = make(seed=33, B=2, T=T, H=4, Hk=2, K=5, V=3, g="key", gk=True, gv=True,
-                 g_gamma="seq", initial_state=True, dtype=torch.float32)
+    every gate kind, GQA, per-sequence g_gamma, with and without an initial state, a
+    bfloat16 q; the inputs stay untouched."""
+    case = dict(dict(dtype=torch.float32), **case)
+    kw, _ = make(seed=33, B=2, T=T, H=4, K=5, V=3, **case)
     before = {n: x.detach().clone() for n, x in kw.items()}
     with torch.no_grad():
         o, s = native_call(kw, reverse=reverse)
     wo, ws = oracle_call(kw, reverse=reverse)
-    assert o.dtype == torch.float32 and s.dtype == torch.float32
-    assert rel(o, wo) < 1e-6 and rel(s, ws) < 1e-6
+    assert o.dtype == case["dtype"] and s.dtype == torch.float32 and o.is_contiguous()
+    tol = 1e-2 if case["dtype"] == torch.bfloat16 else 1e-6  # o rounded to bf16
+    assert rel(o, wo) < tol and rel(s, ws) < 1e-6
     assert all(torch.equal(kw[n].detach(), before[n]) for n in kw)

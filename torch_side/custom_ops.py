@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from bridge import contract, grads
 from bridge.kernels import INTERPRETED
@@ -88,30 +89,40 @@ def direct(inputs: dict) -> bool:
     transforms, autocast, tensor subclasses such as DTensor or fake tensors, dispatch
     modes). Then both give the same result, and a decoding step no longer spends more
     time in the dispatcher than in the recurrence. `inputs`: tensors by name, or None."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    grad, device = torch.is_grad_enabled(), None
+    for x in inputs.values():
+        if x is not None:
+            if type(x) is not torch.Tensor or (grad and x.requires_grad):
+                return False
+            device = device or x.device.type
+    return not (torch.compiler.is_compiling() or torch.jit.is_tracing()
+                or torch._C._functorch.peek_interpreter_stack() is not None
+                or torch.is_autocast_enabled(device) or _get_current_dispatch_mode() is not None)
 
-    given = [x for x in inputs.values() if x is not None]
-    return (not any(type(x) is not torch.Tensor for x in given)
-            and not (torch.is_grad_enabled() and any(x.requires_grad for x in given))
-            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
-            and torch._C._functorch.peek_interpreter_stack() is None
-            and not torch.is_autocast_enabled(given[0].device.type)
-            and _get_current_dispatch_mode() is None)
 
-
-def forward(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, reverse, mode):
+def forward(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, reverse, mode,
+            plan=None):
     """The body of `fwd` (same arguments and results), for `direct` calls (whose
-    cu_seqlens values were never traced: ops.recurrent has checked them)."""
+    cu_seqlens values were never traced: ops.recurrent has checked them). `plan`: the
+    inputs' contract Plan where the caller has it (ops.recurrent's check; its `packed`
+    is not read), else derived from their shapes."""
     _check_mode(mode)
     inputs = _named(q, k, v, g, gk, gv, g_gamma, initial_state)
-    plan = plan_of(**inputs, cu_seqlens=cu_seqlens, scale=scale, reverse=reverse)
+    if plan is None:
+        plan = plan_of(**inputs, cu_seqlens=cu_seqlens, scale=scale, reverse=reverse)
+    if not torch.is_autocast_enabled(q.device.type):  # nothing to turn off
+        return _run(plan, mode, inputs, cu_seqlens)
     # the op accumulates in float32 itself: autocast must not downcast its internals
     with torch.autocast(q.device.type, enabled=False):
-        if mode == "torch":
-            return recurrent_native(plan, q, k, v, g=g, gk=gk, gv=gv, g_gamma=g_gamma,
-                                    initial_state=initial_state, cu_seqlens=cu_seqlens)
-        triton_launch.check_device(q)
-        return triton_launch.forward(plan, mode, inputs, cu_seqlens)
+        return _run(plan, mode, inputs, cu_seqlens)
+
+
+def _run(plan, mode, inputs, cu_seqlens):
+    """`forward`'s work: the torch path or the Triton launches, on `inputs` by name."""
+    if mode == "torch":
+        return recurrent_native(plan, **inputs, cu_seqlens=cu_seqlens)
+    triton_launch.check_device(inputs["q"])
+    return triton_launch.forward(plan, mode, inputs, cu_seqlens)
 
 
 @torch.library.custom_op("gla_bridge::fwd", mutates_args=())

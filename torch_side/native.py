@@ -667,26 +667,39 @@ def recurrent_native_backward(plan, inputs, cu_seqlens, do, dfinal_state, chunk_
 def _steps(plan, cd, q, k, v, g, gk, gv, g_gamma, initial_state):
     """Decoding (a few tokens a row, no cu_seqlens, no autograd): the recurrence itself,
     S <- e^{a_t} S e^{b_t} + k_t^T v_t and o_t = scale q_t S, one step a token on the
-    [B, H, K, V] state in place; no chunks, no tables."""
+    [B, H, K, V] state; no chunks, no tables. At this size an op's dispatch costs as much
+    as its work, so a step is few ops on views: the first decay makes the state's own
+    copy (the input state is never written), the update adds k_t^T v_t in place with each
+    kv head broadcast over its query heads."""
     B, T, H, Hk, K, V = plan.B, plan.T, plan.H, plan.Hk, plan.K, plan.V
-    S = (initial_state.to(cd, copy=True) if initial_state is not None
-         else torch.zeros(B, H, K, V, dtype=cd, device=q.device))
-    o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
-    gam = None if g_gamma is None else g_gamma.to(cd).expand(B, H).unsqueeze(-1)
-    col = lambda x, t: x[:, t].to(cd)
+    G = H // Hk  # query head h reads kv head h // G
+    wide = lambda x: x if x.dtype == cd else x.to(cd)  # no op when already in cd
+    gam = None if g_gamma is None else wide(g_gamma).expand(B, H).unsqueeze(-1)
+    S, own = (None if initial_state is None else wide(initial_state)), False
+    o = torch.empty(T, B * H, 1, V, dtype=q.dtype, device=q.device)  # o[t]: a bmm's shape
     for t in (reversed(range(T)) if plan.reverse else range(T)):
-        a = [col(g, t).unsqueeze(-1) if plan.g == "head" else col(g, t)] if g is not None else []
-        a += [col(gk, t)] if gk is not None else []
-        a += [gam] if gam is not None else []
-        if a:  # (views of the inputs: nothing here is in place but S)
-            S.mul_(functools.reduce(torch.add, a).exp().unsqueeze(-1))
-        if gv is not None:
-            S.mul_(col(gv, t).exp().unsqueeze(-2))
-        kt, vt = col(k, t), col(v, t)
-        if Hk != H:  # query head h reads kv head h // (H // Hk)
-            kt, vt = kt.repeat_interleave(H // Hk, 1), vt.repeat_interleave(H // Hk, 1)
-        S.view(B * H, K, V).baddbmm_(kt.reshape(B * H, K, 1), vt.reshape(B * H, 1, V))
-        o[:, t] = torch.matmul((col(q, t) * plan.scale).unsqueeze(-2), S).squeeze(-2).to(o.dtype)
-    return o, S
-
-
+        a = None  # the key-side log decay [B, H, K or 1] of this step
+        for x in (None if g is None else g.select(1, t).unsqueeze(-1) if plan.g == "head"
+                  else g.select(1, t), None if gk is None else gk.select(1, t), gam):
+            if x is not None:
+                a = wide(x) if a is None else a + wide(x)
+        for d, side in ((a, -1), (None if gv is None else wide(gv.select(1, t)), -2)):
+            if d is not None and S is not None:
+                d = d.exp().unsqueeze(side)
+                S, own = (S.mul_(d) if own else S * d), True
+        kt, vt = wide(k.select(1, t)), wide(v.select(1, t))  # [B, Hk, K], [B, Hk, V]
+        if S is None:  # no initial state: the first step's state is k_t^T v_t
+            S = (kt.view(B, Hk, 1, K, 1) * vt.view(B, Hk, 1, 1, V)).expand(
+                B, Hk, G, K, V).reshape(B, H, K, V)
+        else:
+            if not own:
+                S = S.clone(memory_format=torch.contiguous_format)
+            S.view(B, Hk, G, K, V).addcmul_(kt.view(B, Hk, 1, K, 1), vt.view(B, Hk, 1, 1, V))
+        own = True
+        qt, St = wide(q.select(1, t)).reshape(B * H, 1, K), S.view(B * H, K, V)
+        if o.dtype == cd:  # o_t = scale q_t S written in place
+            o.select(0, t).baddbmm_(qt, St, beta=0, alpha=plan.scale)
+        else:
+            o.select(0, t).copy_(torch.bmm(qt, St).mul_(plan.scale))
+    o = o.view(T, B, H, V)
+    return (o.view(B, T, H, V) if T == 1 else o.transpose(0, 1).contiguous()), S

@@ -29,13 +29,6 @@ from . import context, custom_ops, dtensor, triton_launch
 PLATFORMS = ("auto", "triton", "torch")
 
 
-def _values_traced(x) -> bool:
-    """Whether x's values are traced (torch.compile, torch.func transforms): the
-    contract then checks only its shape (SPEC: cu_seqlens values checked when known)."""
-    return x is not None and (torch.compiler.is_compiling()
-                              or torch._C._functorch.peek_interpreter_stack() is not None)
-
-
 def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
               initial_state=None, reverse=False, cu_seqlens=None, *, platform="auto",
               mode="auto", context_group=None):
@@ -52,14 +45,18 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
         P = context.group_size_rank(context_group)[0]  # a bad group fails first
     inputs = dict(q=q, k=k, v=v, g=g, gk=gk, gv=gv, g_gamma=g_gamma,
                   initial_state=initial_state)
-    # with context_group, cu_seqlens are the global offsets: checked against all slices
+    compiling = torch.compiler.is_compiling()
+    # with context_group, cu_seqlens are the global offsets: checked against all slices.
+    # Values traced (torch.compile, torch.func transforms): the contract checks only
+    # their shape (SPEC: cu_seqlens values checked when known)
     global_cu = context_group is not None and cu_seqlens is not None
-    traced = _values_traced(cu_seqlens)
+    traced = cu_seqlens is not None and (
+        compiling or torch._C._functorch.peek_interpreter_stack() is not None)
     call = dispatch.prepare(
         inputs, softmax_scale=softmax_scale, reverse=reverse,
         cu_seqlens=contract.ShapeOnly(cu_seqlens) if global_cu or traced else cu_seqlens,
         platform=platform, mode=mode, platforms=PLATFORMS, fallback="torch",
-        gpu=q.device.type == "cuda")
+        gpu=q.device.type == "cuda", memo=not compiling)
     plan = call.plan
     if global_cu and not traced:
         contract.check_offsets(cu_seqlens, P * plan.T)
@@ -70,21 +67,20 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
         cu_seqlens = inputs.pop("cu_seqlens")
     inputs = {n: None if x is None else x.contiguous() for n, x in
               dispatch.batched(plan, inputs, lambda x: x.unsqueeze(0)).items()}
-
+    options = dict(scale=plan.scale, reverse=plan.reverse, mode=call.kernel)
     # eager, nothing to record: the op's body itself (the dispatcher costs more than a
     # decoding step's recurrence)
-    op = (custom_ops.forward if custom_ops.direct(dict(inputs, cu_seqlens=cu_seqlens))
-          else custom_ops.fwd)
-
-    def run(inputs, cu_seqlens):
-        return op(**inputs, cu_seqlens=cu_seqlens, scale=plan.scale, reverse=plan.reverse,
-                  mode=call.kernel)
-
+    direct = custom_ops.direct(dict(inputs, cu_seqlens=cu_seqlens))
     if context_group is not None:
-        o, final_state = context.context_parallel(run, context_group, inputs, cu_seqlens,
-                                                  plan.scale, plan.reverse)
+        op = custom_ops.forward if direct else custom_ops.fwd
+        o, final_state = context.context_parallel(
+            lambda inputs, cu_seqlens: op(**inputs, cu_seqlens=cu_seqlens, **options),
+            context_group, inputs, cu_seqlens, plan.scale, plan.reverse)
+    elif direct:  # on the Plan checked above
+        o, final_state = custom_ops.forward(**inputs, cu_seqlens=cu_seqlens, **options,
+                                            plan=plan)
     else:
-        o, final_state = run(inputs, cu_seqlens)
+        o, final_state = custom_ops.fwd(**inputs, cu_seqlens=cu_seqlens, **options)
     return dispatch.unbatched(plan, o), final_state
 
 
