@@ -411,6 +411,8 @@ def test_streamed_memory_is_output_plus_a_slab(monkeypatch):
     (3, True, dict(Hk=2, g="key", gk=True, gv=True, g_gamma="seq", initial_state=True)),
     (1, False, dict(g="head", g_gamma="head")),  # no initial state, H == Hk
     (2, False, dict(Hk=2, gv=True, dtype=torch.bfloat16)),  # o in bf16, computed in fp32
+    (2, False, dict(Hk=1, g="key")),  # one kv head, no initial state: the first state is
+    # k^T v expanded over the query heads, then updated in place (needs its own memory)
 ])
 def test_decode_steps_match_oracle(T, reverse, case):
     """A few tokens a row without autograd (decoding) take the step-by-step update (_steps):

@@ -689,8 +689,9 @@ def _steps(plan, cd, q, k, v, g, gk, gv, g_gamma, initial_state):
                 S, own = (S.mul_(d) if own else S * d), True
         kt, vt = wide(k.select(1, t)), wide(v.select(1, t))  # [B, Hk, K], [B, Hk, V]
         if S is None:  # no initial state: the first step's state is k_t^T v_t
+            # its own memory: with Hk == 1 a reshape of the expansion is a stride-0 view
             S = (kt.view(B, Hk, 1, K, 1) * vt.view(B, Hk, 1, 1, V)).expand(
-                B, Hk, G, K, V).reshape(B, H, K, V)
+                B, Hk, G, K, V).contiguous().view(B, H, K, V)
         else:
             if not own:
                 S = S.clone(memory_format=torch.contiguous_format)
