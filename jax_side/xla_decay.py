@@ -7,6 +7,7 @@ subtracted, which keeps strong gates at scan-level precision.
 """
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 SUB = 16  # sub-chunk width: the span of in-block cumulative log-gate sums
@@ -18,15 +19,13 @@ def local(a):
     end (its own suffix scan, so nothing cancels), tau [Z, C/16, D] block totals."""
     Z, C, D = a.shape
     b = a.reshape(Z, C // SUB, SUB, D)
-    # running sums unrolled over the block's 16 rows: XLA CPU fuses them into one pass
-    # with the [.., D] rows contiguous (its cumulative sums, reduce-window, cost several
-    # times more; triangular matmuls need transposes around a K=16 dot)
-    pre, suf = [b[:, :, 0]], [jnp.zeros_like(b[:, :, 0])]
-    for i in range(1, SUB):
-        pre.append(pre[-1] + b[:, :, i])
-        suf.append(suf[-1] + b[:, :, SUB - i])
-    alpha, beta = jnp.stack(pre, 2), jnp.stack(suf[::-1], 2)
-    return alpha.reshape(Z, C, D), beta.reshape(Z, C, D), pre[-1]
+    # triangular matmuls: XLA CPU's cumulative sums (reduce-window) cost several times
+    # more; 16 unrolled running sums made the programs ~20% slower to compile (the test
+    # suite's time) for a forward gain lost in this VM's noise
+    ones = np.ones((SUB, SUB))
+    alpha = jnp.einsum("ts,znsd->zntd", jnp.asarray(np.tril(ones), a.dtype), b)
+    beta = jnp.einsum("ts,znsd->zntd", jnp.asarray(np.triu(ones, 1), a.dtype), b)
+    return alpha.reshape(Z, C, D), beta.reshape(Z, C, D), alpha[:, :, -1]
 
 
 def _blocks_around(tau, w):
