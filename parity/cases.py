@@ -139,8 +139,7 @@ def to_jax(arrays: dict, dtype=None) -> dict:
 
 def call_kwargs(case: Case, arrays: dict) -> dict:
     """The keyword arguments of `recurrent` from a dict holding the arrays."""
-    names = ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state", "cu_seqlens")
-    kw = {n: arrays[n] for n in names if arrays.get(n) is not None}
+    kw = {n: arrays[n] for n in (*INPUTS, "cu_seqlens") if arrays.get(n) is not None}
     kw.update(reverse=case.reverse, softmax_scale=case.softmax_scale)
     return kw
 

@@ -647,9 +647,8 @@ def _streamed_backward(plan, tab, C, cd, inputs, do, dfinal_state):
         out["g_gamma"] = dgam[:, 0] if g_gamma.dim() == 1 else dgam.t()
     if h0 is not None:
         out["initial_state"] = S.by_sequence(dcarry)
-    names = ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state")
     return [None if x is None else out[n].reshape(x.shape).to(x.dtype)
-            for n, x in zip(names, inputs)]
+            for n, x in zip(INPUTS, inputs)]
 
 
 def recurrent_native_backward(plan, inputs, cu_seqlens, do, dfinal_state, chunk_size=64):
