@@ -132,15 +132,17 @@ def _expect_float(name, x):
 
 _PLANS: dict = {}  # signature -> Plan of arguments that passed (see check)
 _PLANS_MAX = 256
+_TORCH_TYPES: dict = {}  # type -> whether torch's (`_signature` asks once a type)
 
 
 def _signature(x):
-    """What `check` reads of an array besides cu_seqlens values: its type, shape, dtype
+    """What `check` reads of a given array besides cu_seqlens values: its type, shape, dtype
     and device (torch's own device object: cheaper than its label)."""
-    if x is None:
-        return None
     t = type(x)
-    if t.__module__.startswith("torch"):  # a symbolic size refuses to hash
+    torchy = _TORCH_TYPES.get(t)
+    if torchy is None:
+        torchy = _TORCH_TYPES[t] = t.__module__.startswith("torch")
+    if torchy:  # a symbolic size refuses to hash
         return t, x.shape, x.dtype, x.device
     shape = tuple(x.shape)
     if not all(type(s) is int for s in shape):  # symbolic (jax.export): no memo
@@ -162,7 +164,8 @@ def check(q, k, v, *, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None
         return _check(q, k, v, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse,
                       cu_seqlens)
     try:
-        key = (tuple(map(_signature, (q, k, v, g, g_gamma, gk, gv, initial_state))),
+        key = (*[None if x is None else _signature(x)
+                 for x in (q, k, v, g, g_gamma, gk, gv, initial_state)],
                type(softmax_scale), softmax_scale, type(reverse), reverse)
         plan = _PLANS.get(key)
     except Exception:  # not an array, or unhashable: the full check says what is wrong

@@ -83,37 +83,42 @@ def _distinct(grads, inputs):
     return out
 
 
-def direct(inputs: dict) -> bool:
-    """Whether a call may run `forward` itself instead of the op: nothing the op exists
-    for is active (autograd recording, torch.compile / export tracing, torch.func
-    transforms, autocast, tensor subclasses such as DTensor or fake tensors, dispatch
-    modes). Then both give the same result, and a decoding step no longer spends more
-    time in the dispatcher than in the recurrence. `inputs`: tensors by name, or None."""
-    grad, device = torch.is_grad_enabled(), None
-    for x in inputs.values():
-        if x is not None:
-            if type(x) is not torch.Tensor or (grad and x.requires_grad):
-                return False
-            device = device or x.device.type
+def direct(inputs: dict, cu_seqlens=None) -> bool:
+    """Whether a call may run `run` itself instead of the op: nothing the op exists for is
+    active (autograd recording, torch.compile / export tracing, torch.func transforms,
+    autocast, tensor subclasses such as DTensor or fake tensors, dispatch modes). Then
+    both give the same result, and a decoding step no longer spends more time in the
+    dispatcher than in the recurrence. `inputs`: the arrays by name (None where absent);
+    `cu_seqlens`: the offsets or None."""
+    grad = torch.is_grad_enabled()
+    for x in (*inputs.values(), cu_seqlens):
+        if x is not None and (type(x) is not torch.Tensor or (grad and x.requires_grad)):
+            return False
+    # autocast on any device counts (cheaper than reading the inputs' device)
     return not (torch.compiler.is_compiling() or torch.jit.is_tracing()
                 or torch._C._functorch.peek_interpreter_stack() is not None
-                or torch.is_autocast_enabled(device) or _get_current_dispatch_mode() is not None)
+                or torch._C._is_any_autocast_enabled() or _get_current_dispatch_mode() is not None)
 
 
 def forward(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, reverse, mode,
             plan=None):
     """The body of `fwd` (same arguments and results), for `direct` calls (whose
     cu_seqlens values were never traced: ops.recurrent has checked them). `plan`: the
-    inputs' contract Plan where the caller has it (ops.recurrent's check; its `packed`
-    is not read), else derived from their shapes."""
-    _check_mode(mode)
+    inputs' contract Plan where the caller has it (its `packed` is not read), else derived
+    from their shapes."""
     inputs = _named(q, k, v, g, gk, gv, g_gamma, initial_state)
     if plan is None:
         plan = plan_of(**inputs, cu_seqlens=cu_seqlens, scale=scale, reverse=reverse)
-    if not torch.is_autocast_enabled(q.device.type):  # nothing to turn off
+    return run(plan, mode, inputs, cu_seqlens)
+
+
+def run(plan, mode, inputs, cu_seqlens):
+    """`forward` on the arrays by name (`inputs`, as `_named` gives them) and their Plan,
+    whose scale and reverse it reads (ops.recurrent's direct calls)."""
+    if not torch._C._is_any_autocast_enabled():  # nothing to turn off
         return _run(plan, mode, inputs, cu_seqlens)
     # the op accumulates in float32 itself: autocast must not downcast its internals
-    with torch.autocast(q.device.type, enabled=False):
+    with torch.autocast(inputs["q"].device.type, enabled=False):
         return _run(plan, mode, inputs, cu_seqlens)
 
 
@@ -121,6 +126,7 @@ def _run(plan, mode, inputs, cu_seqlens):
     """`forward`'s work: the torch path or the Triton launches, on `inputs` by name."""
     if mode == "torch":
         return recurrent_native(plan, **inputs, cu_seqlens=cu_seqlens)
+    _check_mode(mode)
     triton_launch.check_device(inputs["q"])
     return triton_launch.forward(plan, mode, inputs, cu_seqlens)
 

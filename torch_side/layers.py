@@ -93,7 +93,9 @@ class _Layer(nn.Module):
         if c.kind == "gla":
             # float32 gates: log-decays summed over many steps lose too much in bf16
             gk = F.logsigmoid(self.gk_proj(x).float()) / c.gate_logit_normalizer
-            gk = self._heads(gk, Hk, K).repeat_interleave(H // Hk, dim=2)  # head h <- kv h//G
+            gk = self._heads(gk, Hk, K)
+            if H != Hk:  # head h <- kv head h // G
+                gk = gk.repeat_interleave(H // Hk, dim=2)
         mask = None
         if attention_mask is not None:
             mask = attention_mask.to(torch.bool)[..., None, None]
@@ -116,14 +118,16 @@ class GatedLinearAttention(_Layer):
     """GLA layer (see module docstring). Keyword hyper-parameters as `LayerConfig`
     (hidden_size, num_heads, num_kv_heads, expand_k, expand_v, gate_low_rank_dim,
     gate_logit_normalizer, use_output_gate, norm_eps) or `config=LayerConfig(...)`;
-    `mode` / `platform` / `context_group` go to `ops.recurrent_gla`."""
+    `mode` / `platform` / `context_group` go to `ops.recurrent` (as
+    `ops.recurrent_gla`: `g` the key-dim gate)."""
 
     KIND = "gla"
 
     def _recurrence(self, q, k, v, gk, mask, cu_seqlens, state):
-        return ops.recurrent_gla(q, k, v, g=gk, initial_state=state, cu_seqlens=cu_seqlens,
-                                 mode=self.mode, platform=self.platform,
-                                 context_group=self.context_group)
+        # ops.recurrent_gla's call, one call level less a decoding step
+        return ops.recurrent(q, k, v, g=gk, initial_state=state, cu_seqlens=cu_seqlens,
+                             mode=self.mode, platform=self.platform,
+                             context_group=self.context_group)
 
 
 class LightningAttention(_Layer):

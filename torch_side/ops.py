@@ -32,53 +32,56 @@ PLATFORMS = ("auto", "triton", "torch")
 def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
               initial_state=None, reverse=False, cu_seqlens=None, *, platform="auto",
               mode="auto", context_group=None):
-    time_sharded = dtensor.time_sharded(q)
-    if time_sharded is not None:
-        if context_group is not None:
-            raise ValueError("context_group: a time-sharded DTensor q brings its own group "
-                             "(its mesh dimension); give one or the other")
-        return dtensor.context_parallel_call(
-            recurrent, time_sharded, q, k, v, g=g, g_gamma=g_gamma, gk=gk, gv=gv,
-            softmax_scale=softmax_scale, initial_state=initial_state, reverse=reverse,
-            cu_seqlens=cu_seqlens, platform=platform, mode=mode)
-    if context_group is not None:
-        P = context.group_size_rank(context_group)[0]  # a bad group fails first
     inputs = dict(q=q, k=k, v=v, g=g, gk=gk, gv=gv, g_gamma=g_gamma,
                   initial_state=initial_state)
-    compiling = torch.compiler.is_compiling()
+    # eager, nothing to record: the op's body itself on the Plan checked below (the
+    # dispatcher costs more than a decoding step's recurrence). Such inputs are plain
+    # tensors that nothing traces: no DTensor or tracing case below applies to them
+    direct = custom_ops.direct(inputs, cu_seqlens)
+    if not direct:
+        time_sharded = dtensor.time_sharded(q)
+        if time_sharded is not None:
+            if context_group is not None:
+                raise ValueError("context_group: a time-sharded DTensor q brings its own "
+                                 "group (its mesh dimension); give one or the other")
+            return dtensor.context_parallel_call(
+                recurrent, time_sharded, q, k, v, g=g, g_gamma=g_gamma, gk=gk, gv=gv,
+                softmax_scale=softmax_scale, initial_state=initial_state, reverse=reverse,
+                cu_seqlens=cu_seqlens, platform=platform, mode=mode)
+    if context_group is not None:
+        P = context.group_size_rank(context_group)[0]  # a bad group fails first
+    compiling = not direct and torch.compiler.is_compiling()
     # with context_group, cu_seqlens are the global offsets: checked against all slices.
     # Values traced (torch.compile, torch.func transforms): the contract checks only
     # their shape (SPEC: cu_seqlens values checked when known)
     global_cu = context_group is not None and cu_seqlens is not None
-    traced = cu_seqlens is not None and (
+    traced = cu_seqlens is not None and not direct and (
         compiling or torch._C._functorch.peek_interpreter_stack() is not None)
     call = dispatch.prepare(
         inputs, softmax_scale=softmax_scale, reverse=reverse,
         cu_seqlens=contract.ShapeOnly(cu_seqlens) if global_cu or traced else cu_seqlens,
         platform=platform, mode=mode, platforms=PLATFORMS, fallback="torch",
-        gpu=q.device.type == "cuda", memo=not compiling)
+        gpu=getattr(q, "is_cuda", False), memo=not compiling)
     plan = call.plan
     if global_cu and not traced:
         contract.check_offsets(cu_seqlens, P * plan.T)
     if call.platform == "triton":
         triton_launch.check_device(q)
-    if dtensor.is_dtensor(q):  # plain tensors beside DTensors: the whole value
+    if not direct and dtensor.is_dtensor(q):  # plain tensors beside DTensors: the whole value
         inputs = dtensor.promote(q, dict(inputs, cu_seqlens=cu_seqlens))
         cu_seqlens = inputs.pop("cu_seqlens")
-    inputs = {n: None if x is None else x.contiguous() for n, x in
-              dispatch.batched(plan, inputs, lambda x: x.unsqueeze(0)).items()}
+    if plan.packed:  # (else `inputs` is already in the batched layout)
+        inputs = dispatch.batched(plan, inputs, lambda x: x.unsqueeze(0))
+    inputs = {n: None if x is None else x.contiguous() for n, x in inputs.items()}
+    if direct and context_group is None:  # on the Plan checked above
+        o, final_state = custom_ops.run(plan, call.kernel, inputs, cu_seqlens)
+        return dispatch.unbatched(plan, o), final_state
     options = dict(scale=plan.scale, reverse=plan.reverse, mode=call.kernel)
-    # eager, nothing to record: the op's body itself (the dispatcher costs more than a
-    # decoding step's recurrence)
-    direct = custom_ops.direct(dict(inputs, cu_seqlens=cu_seqlens))
     if context_group is not None:
         op = custom_ops.forward if direct else custom_ops.fwd
         o, final_state = context.context_parallel(
             lambda inputs, cu_seqlens: op(**inputs, cu_seqlens=cu_seqlens, **options),
             context_group, inputs, cu_seqlens, plan.scale, plan.reverse)
-    elif direct:  # on the Plan checked above
-        o, final_state = custom_ops.forward(**inputs, cu_seqlens=cu_seqlens, **options,
-                                            plan=plan)
     else:
         o, final_state = custom_ops.fwd(**inputs, cu_seqlens=cu_seqlens, **options)
     return dispatch.unbatched(plan, o), final_state
