@@ -15,10 +15,11 @@ autodiff of `all_chunks`.
 
 Where the derivative is a custom VJP anyway (key-dim gates without gv, no cu_seqlens),
 `Slabs` runs instead: a scan over slabs of chunks straight from the token layout into
-the output, the in-chunk weights of a forward built in one pass over 16-blocks
-(xla_intra.block_p). Its memory is the output plus one slab; differentiated, it also
-keeps each slab's entering state, and the backward recomputes the slabs in reverse
-(fwd+bwd temporaries: about 0.1x of differentiating `all_chunks` at T=4096).
+the output, the in-chunk weights of a forward one matmul against the chunk start where
+its decays allow (xla_intra.block_p). Its memory is the output plus one slab;
+differentiated, it also keeps each slab's entering state, and the backward recomputes
+the slabs in reverse (fwd+bwd temporaries: about 0.1x of differentiating `all_chunks`
+at T=4096).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from jax import lax
 
 from .chunk_layout import Layout
 from .sharding import vary, varying
-from .xla_decay import SUB, level, local, rowdot, span_factors, spans
+from .xla_decay import SUB, level, local, rowdot, spans
 from .xla_intra import forward_p, key_intra, tree_p
 
 # The forward-only scan (`streamed`): its chunk (at most the caller's chunk_size; 32 ran
@@ -256,7 +257,8 @@ class Slabs:
 
         def step(carry, c):
             s, out = carry
-            o, s_out = self.step(s, [self.take(x, c) for x in seqs], gam, c, self.C, False)
+            xs = [self.take(x, c) for x in seqs]
+            o, s_out = self.step(s, xs, gam, c, self.C, False, seqs)
             return (s_out, self.put(out, o, c)), (s if keep else None)
 
         (fin, o), states = lax.scan(step, (h0, o0), jnp.arange(self.S))
@@ -283,32 +285,44 @@ class Slabs:
                                         reverse=True)
         return dh0, bufs, dgam
 
-    def step(self, s, xs, gam, c, C, differentiable):
+    def step(self, s, xs, gam, c, C, differentiable, seqs=None):
         """Step c's slab: s [B,H,K,V] entering, xs its token-layout slices [B, W, h, D]
         (q, k, v, gates), in C-token chunks -> (o [B, W, H, V], the state after it).
         `differentiable`: the in-chunk part through key_intra (its hand-written VJP),
-        else the forward-only weights (forward_p)."""
+        else the forward-only weights (forward_p). seqs: the inputs xs were taken from;
+        forward_p's tree fallback then relays out q, k and the in-block sums inside its
+        branch (not on every step, for a branch rarely taken)."""
         plan, ct, W = self.plan, self.ct, self.W
         B, H, K, V, G = plan.B, plan.H, plan.K, plan.V, plan.group
         n = W // C
 
-        def chunks(x):
-            """[B, W, h, D] -> [B, H, n, C, D] in processing order."""
-            x = jnp.flip(x, 1) if plan.reverse else x
-            x = x.astype(ct).reshape(B, n, C, *x.shape[2:]).transpose(0, 3, 1, 2, 4)
-            return jnp.repeat(x, G, axis=1) if G > 1 and x.shape[1] != H else x
+        def tokens(x):
+            """In processing order and the scan's dtype, [B, W, h, D]."""
+            return (jnp.flip(x, 1) if plan.reverse else x).astype(ct)
 
-        cq, ck, cv, *a = (chunks(x) for x in xs)
-        cq = cq * plan.scale
+        def chunks(x, c=C):
+            """[B, n*c, h, D] -> [B*H*n, c, D]: chunks of every row and head."""
+            x = x.reshape(B, n, c, *x.shape[2:]).transpose(0, 3, 1, 2, 4)
+            x = jnp.repeat(x, G, axis=1) if G > 1 and x.shape[1] != H else x
+            return x.reshape(B * H * n, c, x.shape[-1])
+
+        tq, tk, tv, *a = map(tokens, xs)
         if gam is not None:
-            pos = c * W + jnp.arange(W).reshape(n, C, 1)
-            a.append(jnp.broadcast_to(gam[:, :, None, None, None] * (pos < plan.T),
-                                      (B, H, n, C, 1)))
-        a = sum(a[1:], a[0])
-        cq, ck, cv, a = (x.reshape(B * H * n, C, x.shape[-1]) for x in (cq, ck, cv, a))
-        ka = local(a)
-        ea, eb = jnp.exp(ka[0]), jnp.exp(ka[1])  # shared by the weights and the spans
-        q_in, k_up = span_factors(cq, ea, ck, eb, ka[2], C)
+            pos = c * W + jnp.arange(W)
+            a.append((gam[:, None] * (pos < plan.T)[None, :, None])[..., None])
+        a = jnp.broadcast_to(sum(a[1:], a[0]), (B, W, H, K))
+        # in-block sums in the token layout (heads in the minor dim: larger dots, and no
+        # relayout of the gates), then into chunks with their consumers
+        la = local(a.reshape(B * n, C, H * K))
+
+        def blocks():
+            """local(a) of the chunks, (alpha, beta [B*H*n, C, K], tau [B*H*n, C/16, K])."""
+            return tuple(chunks(x.reshape(B, -1, H, K), x.shape[1]) for x in la)
+
+        ka = blocks()
+        cq, ck, cv = chunks(tq) * plan.scale, chunks(tk), chunks(tv)
+        into, out = spans(*ka, C)
+        q_in, k_up = cq * jnp.exp(into), ck * jnp.exp(out)  # (e^into: block_p's too)
         dA = jnp.exp(jnp.sum(ka[2], 1))
         u = jnp.einsum("zck,zcv->zkv", k_up, cv)
         dA, u = dA.reshape(B * H, n, K, 1), u.reshape(B * H, n, K, V)
@@ -318,7 +332,13 @@ class Slabs:
             entering.append(s)
             s = s * dA[:, i] + u[:, i]
         entering = jnp.stack(entering, 1).reshape(-1, K, V)
-        o = key_intra(cq, ck, cv, a) if differentiable else forward_p(cq, ck, ka, ea, eb) @ cv
+        if differentiable:
+            o = key_intra(cq, ck, cv, chunks(a))
+        else:
+            load = None if seqs is None else lambda: (  # noqa: E731
+                chunks(tokens(self.take(seqs[0], c))) * plan.scale,
+                chunks(tokens(self.take(seqs[1], c))), blocks())
+            o = forward_p(cq, ck, ka, into, load) @ cv
         o = o + q_in @ entering
         o = o.reshape(B, H, W, V).transpose(0, 2, 1, 3)
         return (jnp.flip(o, 1) if plan.reverse else o), s.reshape(B, H, K, V)

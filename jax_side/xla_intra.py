@@ -21,12 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .xla_decay import SUB, level, local, rowdot
+from .xla_decay import SUB, level, local, rowdot, spans
 
 
-# Largest in-block |log decay| the block-start reference of `block_p` may carry: its key
-# factors are e^{-alpha} <= e^30, and a 16-token sum of that size costs ~30 eps in the
-# differences it stands for (the tree is exact in that sense, and the fallback).
+# Largest in-chunk |log decay| the chunk-start reference of `block_p` may carry: its key
+# factors are e^{-A} <= e^30, and a sum of that size costs ~30 eps in the differences it
+# stands for (the tree is exact in that sense, and the fallback).
 LIMIT = 30.0
 
 
@@ -54,47 +54,36 @@ def tree_p(q, k, ka, scales=None):
     return p.reshape(Z, C, C)
 
 
-def block_p(q, k, ka, ea=None, eb=None):
-    """The same P [Z, C, C] as `tree_p` in one pass over 16-blocks (no backward; for
-    in-block sums within LIMIT). Pairs in different blocks j < i factor through the
-    blocks' boundaries, e^{alpha_t} (block i's start through t) times e^{tau} of the
-    whole blocks between times e^{beta_s} (after s to block j's end), all exponents
-    <= 0; pairs inside a block take e^{alpha_t} against e^{-alpha_s}. Each block
-    column j is one matmul of all later blocks' rows. ea, eb: e^{alpha}, e^{beta} if
-    the caller has them."""
-    Z, C, K = q.shape
-    nb = C // SUB
-    alpha, beta, tau = ka
-    ea = jnp.exp(alpha) if ea is None else ea
-    eb = jnp.exp(beta) if eb is None else eb
-    qr = (q * ea).reshape(Z, nb, SUB, K)
-    kr = (k * eb).reshape(Z, nb, SUB, K)
-    diag = jnp.einsum("zntk,znsk->znts", qr, (k / ea).reshape(Z, nb, SUB, K))
-    diag = diag * jnp.asarray(np.tril(np.ones((SUB, SUB))), q.dtype)
-    et = jnp.exp(tau)  # [Z, nb, K]
-    cols = []
-    for j in range(nb):
-        parts = [jnp.zeros((Z, SUB * j, SUB), q.dtype)] if j else []
-        parts.append(diag[:, j])
-        if j + 1 < nb:  # rows of blocks i > j, scaled by the whole blocks j < m < i
-            f = [jnp.ones_like(et[:, 0])]
-            for i in range(j + 2, nb):
-                f.append(f[-1] * et[:, i - 1])
-            rows = (qr[:, j + 1:] * jnp.stack(f, 1)[:, :, None]).reshape(Z, -1, K)
-            parts.append(jnp.einsum("ztk,zsk->zts", rows, kr[:, j]))
-        cols.append(jnp.concatenate(parts, 1))
-    return jnp.concatenate(cols, 2)
+def block_p(q, k, ka, e_in=None):
+    """The same P [Z, C, C] as `tree_p` as one matmul (no backward; for chunks whose log
+    decays from the chunk start through t, A_t, are all within LIMIT): P_ts =
+    (q_t e^{A_t}) . (k_s e^{-A_s}) for s <= t, the factors in [e^-LIMIT, e^LIMIT].
+    e_in: e^{A} [Z, C, K] if the caller has it."""
+    e_in = jnp.exp(spans(*ka, q.shape[1])[0]) if e_in is None else e_in
+    return _start_p(q * e_in, k / e_in)
 
 
-def forward_p(q, k, ka, ea=None, eb=None):
-    """P [Z, C, C] for a forward without a backward: `block_p` when every in-block sum
-    is within LIMIT, else the tree (ea, eb: as block_p's)."""
-    if q.shape[1] < SUB:
+def _start_p(qe, ke):
+    """tril(qe ke^T) [Z, C, C] for qe = q e^{A}, ke = k e^{-A}."""
+    C = qe.shape[1]
+    p = jnp.einsum("ztk,zsk->zts", qe, ke)
+    return jnp.where(np.tril(np.ones((C, C), bool)), p, 0)
+
+
+def forward_p(q, k, ka, into=None, load=None):
+    """P [Z, C, C] for a forward without a backward: `block_p` when every |A_t| (the log
+    decay from the chunk start through t) is within LIMIT, else the tree. into: A
+    [Z, C, K] (xla_decay.spans of ka over the chunk) if the caller has it. load: a
+    function giving the same (q, k, ka), called inside the tree's branch only (XLA makes
+    a branch's operands on every call, taken or not), if the caller has one."""
+    C = q.shape[1]
+    if C < SUB:
         return tree_p(q, k, ka)
-    mild = jnp.max(jnp.abs(ka[0])) <= LIMIT
-    if ea is None:
-        return lax.cond(mild, block_p, tree_p, q, k, ka)
-    return lax.cond(mild, block_p, lambda q, k, ka, ea, eb: tree_p(q, k, ka), q, k, ka, ea, eb)
+    into = spans(*ka, C)[0] if into is None else into
+    mild = jnp.max(jnp.abs(into)) <= LIMIT
+    e_in = jnp.exp(into)  # (q e^{A}: the callers' inter-chunk queries too)
+    load = (lambda: (q, k, ka)) if load is None else load
+    return lax.cond(mild, _start_p, lambda qe, ke: tree_p(*load()), q * e_in, k / e_in)
 
 
 @jax.custom_vjp

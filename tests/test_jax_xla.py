@@ -156,7 +156,7 @@ def test_check_grads_float64(x64):
 def test_key_intra_vjp_finite_differences(x64):
     """The hand-written backward of the key-gate in-chunk tree (xla_intra) against
     float64 finite differences (reverse mode: it has no forward mode) and against
-    JAX autodiff of the same tree, with mild gates (in-block sums within
+    JAX autodiff of the same tree, with mild gates (in-chunk log decays within
     xla_intra.LIMIT: block_p forward) and strong ones (far past it: the tree)."""
     from jax.test_util import check_grads
 
@@ -173,6 +173,29 @@ def test_key_intra_vjp_finite_differences(x64):
                         range(4))(q, k, v, a)
         for m, w in zip(mine, auto):
             assert rel_err(m, w) < 1e-12
+
+
+def test_forward_weights_match_closed_form():
+    """The forward's in-chunk weights P_ts = sum_d q_td k_sd e^{A_td - A_sd} (s <= t; A the
+    in-chunk running sum of the gates) against that sum in float64 NumPy, in float32:
+    in-chunk log decays just inside xla_intra.LIMIT (block_p: one matmul against the
+    chunk start) and past it (forward_p falls back to the tree)."""
+    from jax_side.xla_decay import local
+    from jax_side.xla_intra import LIMIT, block_p, forward_p
+
+    rng = np.random.default_rng(0)
+    Z, C, K = 3, 32, 8
+    q, k = (rng.standard_normal((Z, C, K)) for _ in range(2))
+    for total in (0.95 * LIMIT, 3 * LIMIT):  # the largest |A_t| in the chunks
+        a = -rng.uniform(0, 1, (Z, C, K))
+        a *= total / np.abs(a.sum(1, keepdims=True)).max()
+        A = np.cumsum(a, 1)
+        want = np.einsum("ztd,zsd,ztsd->zts", q, k, np.exp(A[:, :, None] - A[:, None]))
+        want *= np.tril(np.ones((C, C)))
+        q32, k32, a32 = (jnp.asarray(x, jnp.float32) for x in (q, k, a))
+        fns = [forward_p] + ([block_p] if total < LIMIT else [])
+        for fn in fns:
+            assert rel_err(jax.jit(fn)(q32, k32, local(a32)), want) < 2e-6, fn.__name__
 
 
 @pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
@@ -237,7 +260,7 @@ def test_has_custom_vjp_is_where_forward_mode_fails(g, gk, gv, K, f64):
 def test_streamed_forward_slabs_match_oracle(reverse, scale):
     """The forward without a backward (xla.streamed): several scan steps of two 16-token
     chunks, a partial last slab, GQA, per-sequence g_gamma and an initial state; strong
-    gates (in-block sums past xla_intra.LIMIT) take the tree instead of block_p."""
+    gates (in-chunk log decays past xla_intra.LIMIT) take the tree instead of block_p."""
     from jax_side.xla import streamed
 
     case = Case(B=2, T=75, H=4, Hk=2, g="key", gk=True, g_gamma="seq", initial_state=True,
