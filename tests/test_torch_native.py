@@ -153,9 +153,11 @@ def test_chunk_size_must_be_a_power_of_two():
         native_call(kw, chunk_size=48)
 
 
-@pytest.mark.parametrize("limit", [0.0, 1.0, 4.0])
+@pytest.mark.parametrize("limit", [0.0, 1.0, 4.0, 48.0])
 def test_narrow_blocks(monkeypatch, limit):
-    """A small LIMIT forces narrower in-block widths (down to 1) and more levels."""
+    """A small LIMIT forces narrower in-block widths (down to 1) and more levels; 48 (key
+    gates ~ -1 a token here) blocks wider than a TRI-piece but narrower than the chunk
+    (32 of 64: one level)."""
     monkeypatch.setattr(native, "LIMIT", limit)
     kw, cu = make(seed=12, T=100, g="key", gv=True, g_gamma="head", initial_state=True)
     check_all(kw, cu, reverse=limit == 1.0)

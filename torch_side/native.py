@@ -18,9 +18,11 @@ long running sums (which cancel and lose ~10x with strong gates). The chunk is
 cut into w-blocks; pairs in different blocks are handled level by level (right
 half of each 2h-segment against its left half, h = w .. C/2), both factors
 referenced at the segment midpoint, so both are exp(<= 0). Inside a w-block the
-factors are referenced at the block end (queries get exp(> 0)); w <= 16 is the
+factors are referenced at the block end (queries get exp(> 0)); w <= SUB is the
 widest block whose in-block gate sums stay within LIMIT, so nothing overflows
 and in-block cancellation costs at most LIMIT * eps (w = 1 always qualifies).
+Moderate gates (|sum| <= LIMIT over a chunk) make the whole chunk one block: no
+levels, and every in-chunk product is one C x C matmul.
 """
 
 from __future__ import annotations
@@ -32,17 +34,19 @@ import torch
 
 from bridge.grads import INPUTS
 
-SUB = 16  # widest block
+SUB = 64  # widest block (whole chunks at the default chunk size)
+TRI = 16  # widest triangular matmul that sums gates (wider blocks add whole pieces' totals)
 LIMIT = 30.0  # largest |log decay| an in-block factor may carry (exp(30) ~ 1e13)
 # Elements of one slab input [H, slots, C, D], at most: a forward slab holds ~20 such
 # arrays besides its output, so a slab input is also kept below 1/SHARE of the output
 # (down to SLAB // 4); fewer, larger slabs cost less per op. A backward slab may be BACK
-# times larger (its memory is mostly the gradients). Smaller slabs (SHARE = 32) cost the
+# times larger; at 4 its matmuls ran ~2x below their rate out of cache (same total time
+# as 1 on 2 threads, 1.07x on 1, 2.6x the fwd+bwd peak at (2,8,64,64)). Smaller slabs (SHARE = 32) cost the
 # forward 1.2-1.4x on 2 threads at (1,4,128,128); since the forward frees each temporary
 # when used, 16 keeps its peak below 3x output + state there.
 SLAB = 1 << 18
 SHARE = 16
-BACK = 4
+BACK = 1
 STEP_T = 4  # at most this many tokens a row (decoding) run step by step, without chunks
 
 
@@ -120,9 +124,9 @@ class _Side:
 
     a [H, M, C, D], D = 1 for one scalar per head and step. ea / eb [H, M, C/w, w, D]:
     exp of a summed from the block start through t / after t to the block end; tau
-    [H, M, C/w, D] the block totals. Every exponent is a sum of gates (a triangular
-    matmul), never a difference of sums. w: the widest block (<= SUB) whose in-block
-    sums stay within LIMIT.
+    [H, M, C/w, D] the block totals. Every exponent is a sum of gates (triangular
+    matmuls over TRI-pieces plus the totals of whole pieces), never a difference of
+    sums. w: the widest block (<= SUB) whose in-block sums stay within LIMIT.
     """
 
     def __init__(self, ea, eb, tau, w=None):
@@ -132,15 +136,30 @@ class _Side:
     def of(a, w, updates_only=False):
         """The decays of gates a [H, M, C, D] in blocks of w, or of the widest narrower w
         within LIMIT. updates_only: without ea (None), which only the queries read."""
+        s = min(w, TRI)
+        x = a.unflatten(-2, (-1, s))
+        if w > s:  # blocks of whole TRI-pieces, judged by their sums of |gates|
+            tot, mag = x.sum(-2), x.abs().sum(-2)  # [H, M, C/s, D]
+            while w > s and float(mag.unflatten(-2, (-1, w // s)).sum(-2).amax()) > LIMIT:
+                w //= 2
         while True:
-            one = torch.ones(w, w, dtype=a.dtype, device=a.device)
-            beta = torch.matmul(one.triu(1), a.unflatten(-2, (-1, w)))
-            if w == 1 or float(beta[..., 0, :].abs().amax()) <= LIMIT:
+            one = torch.ones(s, s, dtype=a.dtype, device=a.device)
+            beta = torch.matmul(one.triu(1), x)
+            if w > s or s == 1 or float(beta[..., 0, :].abs().amax()) <= LIMIT:
                 break
-            w //= 2
+            w = s = s // 2
+            x = a.unflatten(-2, (-1, s))
+        alpha = None if updates_only else torch.matmul(one.tril(), x)
+        if w > s:  # the pieces before (alpha) and after (beta) in the block
+            tot = tot.unflatten(-2, (-1, w // s))
+            beta = beta.unflatten(-3, (-1, w // s)).add_(
+                _excl_cumsum(tot, -2, reverse=True).unsqueeze(-2)).flatten(-3, -2)
+            if alpha is not None:
+                alpha = alpha.unflatten(-3, (-1, w // s)).add_(
+                    _excl_cumsum(tot, -2).unsqueeze(-2)).flatten(-3, -2)
         if updates_only:
-            return _Side(None, beta.exp_(), a.unflatten(-2, (-1, w)).sum(-2), w)
-        alpha = torch.matmul(one.tril(), a.unflatten(-2, (-1, w)))
+            tau = tot.sum(-2) if w > s else x.sum(-2)
+            return _Side(None, beta.exp_(), tau, w)
         tau = alpha[..., -1, :].clone()
         return _Side(alpha.exp_(), beta.exp_(), tau)
 
@@ -194,9 +213,10 @@ def _decay(A, B):
     return da.unsqueeze(-1) if db is None else da.unsqueeze(-1) * db.unsqueeze(-2)
 
 
-def _cross(R, Z, w):
+def _cross(R, Z):
     """Gate gradient inside each chunk: sum of R over i >= t plus sum of Z over j < t, for
-    R, Z [.., C, D] (triangular matmuls in w-blocks, then whole blocks)."""
+    R, Z [.., C, D] (triangular matmuls in w-blocks, w <= TRI, then whole blocks)."""
+    w = min(TRI, R.shape[-2])
     one = torch.ones(w, w, dtype=R.dtype, device=R.device)
     R, Z = R.unflatten(-2, (-1, w)), Z.unflatten(-2, (-1, w))
     y = torch.matmul(one.triu(), R).add_(torch.matmul(one.tril(-1), Z))
@@ -241,8 +261,8 @@ def _backward(saved, w, levels, cnt, do, dfin):
         _part(dk, s, 0).add_(A.at(_mm(dP.mT, qs), s, 0, inplace=True))
         _part(dv, s, 0).add_(B.at(_mm(P.mT, dos), s, 0, inplace=True))
     if A.ea is not None:
-        dq_d = _blk(dq_d.flatten(-3, -2), A.eb, w, div=True, inplace=True)
-        dq = _blk(dq, A.ea, w, inplace=True).add_(dq_d)
+        dq = _blk(dq, A.ea, w, inplace=True)
+        blocks(dq).addcdiv_(dq_d, A.eb)
     else:
         blocks(dq).add_(dq_d)
     dk, dv = _blk(dk, A.eb, w, inplace=True), _blk(dv, B.eb, w, inplace=True)
@@ -258,10 +278,10 @@ def _backward(saved, w, levels, cnt, do, dfin):
             E = GS.sum((-1, -2)).unsqueeze(-1)
         else:
             E = GS.sum(-1)
-        da = _cross(R, Z, w).add_(E.unsqueeze(-2))
+        da = _cross(R, Z).add_(E.unsqueeze(-2))
     if B.ea is not None:
         R = (do * o).addcmul_(v, dv, value=-1)
-        db = _cross(R, v * dv_u, w).add_(GS.sum(-2).unsqueeze(-2))
+        db = _cross(R, v * dv_u).add_(GS.sum(-2).unsqueeze(-2))
     dk, dv = dk.add_(dk_u), dv.add_(dv_u)
     if A.ea is not None:
         dPii = (do * v).sum(-1, keepdim=True)
@@ -508,22 +528,26 @@ class _Slots:
     def gather(self, x, r0, r1, scale=1.0):
         """[L, h, D] -> slots r0:r1 as [h, m, C, D] in the compute dtype, 0 at padding."""
         view = self._grid(x, r0, r1)
-        if view is not None:  # one strided copy
-            y = torch.empty(view.shape, dtype=self.cd, device=x.device).copy_(view).flatten(1, 2)
-        else:
-            y = x.index_select(0, self.tok[r0:r1].reshape(-1))
-            y = y.view(r1 - r0, self.C, *x.shape[1:]).permute(2, 0, 1, 3)
-            y = y.to(self.cd, memory_format=torch.contiguous_format, copy=True)
-        y = y.mul_(scale) if scale != 1.0 else y
+        # scaled in the copy, unless x is narrower (then widened first, scaled after)
+        fuse = scale != 1.0 and x.dtype == self.cd
+        if view is None:
+            view = x.index_select(0, self.tok[r0:r1].reshape(-1))
+            view = view.view(r1 - r0, self.C, *x.shape[1:]).permute(2, 0, 1, 3).unsqueeze(1)
+        y = torch.empty(view.shape, dtype=self.cd, device=x.device)  # one strided copy
+        y = (torch.mul(view, scale, out=y) if fuse else y.copy_(view)).flatten(1, 2)
+        y = y.mul_(scale) if scale != 1.0 and not fuse else y
         keep = self.keep(r0, r1)
         return y if keep is None else y.mul_(keep)
 
-    def scatter(self, dst, y, r0, r1):
-        """dst [L, h, D] at the tokens of slots r0:r1 <- y [h, m, C, D] (padding left out)."""
+    def scatter(self, dst, y, r0, r1, scale=1.0):
+        """dst [L, h, D] at the tokens of slots r0:r1 <- scale * y [h, m, C, D] (padding left
+        out)."""
         view = self._grid(dst, r0, r1)
         if view is not None:  # straight into dst
-            view.copy_(y.reshape(view.shape))
+            y = y.reshape(view.shape)
+            torch.mul(y, scale, out=view) if scale != 1.0 else view.copy_(y)
             return
+        y = y.mul(scale) if scale != 1.0 else y
         idx = self.tok[r0:r1].reshape(-1)
         y = y.permute(1, 2, 0, 3).reshape(-1, *dst.shape[1:]).to(dst.dtype)
         keep = self.keep(r0, r1)
@@ -620,7 +644,7 @@ def _streamed_backward(plan, tab, C, cd, inputs, do, dfinal_state):
         dleave = torch.cat([dcarry, dfin[:, after:n]], 1)
         sdq, sdk, sdv, sda, sdb, dcarry = _backward(saved, w, levels, cnt, sdo, dleave)
         del saved, sdo
-        S.scatter(dq, sdq.mul_(plan.scale), r0, r1)
+        S.scatter(dq, sdq, r0, r1, plan.scale)
         if Hk != H:  # a kv head's gradient sums over the query heads that read it
             sdk, sdv = (x.unflatten(0, (Hk, -1)).sum(1) for x in (sdk, sdv))
         S.scatter(dk, sdk, r0, r1)
