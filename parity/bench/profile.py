@@ -73,7 +73,7 @@ def jax_stages(shape, T):
         ("in-block log-gate sums (16-token blocks)", _time(jax.jit(xla_decay.local), cg, block=block)),
         ("in-chunk weights P [C,C]: the binary tree (before; still the differentiated path)",
          _time(jax.jit(xla_intra.tree_p), cq, ck, ka, block=block)),
-        ("in-chunk weights P [C,C]: one pass over 16-blocks (after)",
+        ("in-chunk weights P [C,C]: one matmul against the chunk start (after)",
          _time(jax.jit(xla_intra.block_p), cq, ck, ka, block=block)),
         ("in-chunk output P @ v", _time(jax.jit(lambda p, v: p @ v), p, cv, block=block)),
         ("chunk decays (exp of the spans) on q and k",
