@@ -40,10 +40,11 @@ LIMIT = 30.0  # largest |log decay| an in-block factor may carry (exp(30) ~ 1e13
 # Elements of one slab input [H, slots, C, D], at most: a forward slab holds ~20 such
 # arrays besides its output, so a slab input is also kept below 1/SHARE of the output
 # (down to SLAB // 4); fewer, larger slabs cost less per op. A backward slab may be BACK
-# times larger; at 4 its matmuls ran ~2x below their rate out of cache (same total time
-# as 1 on 2 threads, 1.07x on 1, 2.6x the fwd+bwd peak at (2,8,64,64)). Smaller slabs (SHARE = 32) cost the
-# forward 1.2-1.4x on 2 threads at (1,4,128,128); since the forward frees each temporary
-# when used, 16 keeps its peak below 3x output + state there.
+# times larger; at 4 its matmuls ran ~2x below their rate out of cache (the same total
+# time as 1 on 2 threads, 1.07x slower on 1, 2.6x the fwd+bwd peak at (2,8,64,64)).
+# Smaller slabs (SHARE = 32) cost the forward 1.2-1.4x on 2 threads at (1,4,128,128);
+# since the forward frees each temporary when used, 16 keeps its peak below 3x output +
+# state there.
 SLAB = 1 << 18
 SHARE = 16
 BACK = 1
