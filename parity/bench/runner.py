@@ -14,6 +14,7 @@ from . import flops as flopsmod
 from . import timing, verify
 
 MODES = ("fwd", "fwdbwd")
+MEMORY_TRIES = 3  # peak memory: the least of this many calls, for calls under 1 s
 
 
 class Settings:
@@ -145,7 +146,8 @@ def _measure_point(shape, mode, T, impls, arrays, settings, stopped) -> list:
         peak = None
         if settings.measure_memory:
             try:
-                peak = timing.peak_memory_bytes(runs[name])
+                tries = MEMORY_TRIES if first[name] < 1.0 else 1
+                peak = timing.peak_memory_bytes(runs[name], tries)
             except OSError:
                 peak = None
         reason = ""
