@@ -306,7 +306,12 @@ class Slabs:
             x = jnp.repeat(x, G, axis=1) if G > 1 and x.shape[1] != H else x
             return x.reshape(B * H * n, c, x.shape[-1])
 
-        tq, tk, tv, *a = map(tokens, xs)
+        def q_k(xq, xk):
+            """The slab's queries (scaled) and keys in chunks."""
+            return chunks(tokens(xq)) * plan.scale, chunks(tokens(xk))
+
+        cq, ck = q_k(*xs[:2])
+        tv, *a = map(tokens, xs[2:])
         if gam is not None:
             pos = c * W + jnp.arange(W)
             a.append((gam[:, None] * (pos < plan.T)[None, :, None])[..., None])
@@ -320,7 +325,7 @@ class Slabs:
             return tuple(chunks(x.reshape(B, -1, H, K), x.shape[1]) for x in la)
 
         ka = blocks()
-        cq, ck, cv = chunks(tq) * plan.scale, chunks(tk), chunks(tv)
+        cv = chunks(tv)
         into, out = spans(*ka, C)
         q_in, k_up = cq * jnp.exp(into), ck * jnp.exp(out)  # (e^into: block_p's too)
         dA = jnp.exp(jnp.sum(ka[2], 1))
@@ -336,8 +341,7 @@ class Slabs:
             o = key_intra(cq, ck, cv, chunks(a))
         else:
             load = None if seqs is None else lambda: (  # noqa: E731
-                chunks(tokens(self.take(seqs[0], c))) * plan.scale,
-                chunks(tokens(self.take(seqs[1], c))), blocks())
+                *q_k(self.take(seqs[0], c), self.take(seqs[1], c)), blocks())
             o = forward_p(cq, ck, ka, into, load) @ cv
         o = o + q_in @ entering
         o = o.reshape(B, H, W, V).transpose(0, 2, 1, 3)

@@ -529,14 +529,18 @@ class _Slots:
     def gather(self, x, r0, r1, scale=1.0):
         """[L, h, D] -> slots r0:r1 as [h, m, C, D] in the compute dtype, 0 at padding."""
         view = self._grid(x, r0, r1)
-        # scaled in the copy, unless x is narrower (then widened first, scaled after)
-        fuse = scale != 1.0 and x.dtype == self.cd
         if view is None:
             view = x.index_select(0, self.tok[r0:r1].reshape(-1))
             view = view.view(r1 - r0, self.C, *x.shape[1:]).permute(2, 0, 1, 3).unsqueeze(1)
         y = torch.empty(view.shape, dtype=self.cd, device=x.device)  # one strided copy
-        y = (torch.mul(view, scale, out=y) if fuse else y.copy_(view)).flatten(1, 2)
-        y = y.mul_(scale) if scale != 1.0 and not fuse else y
+        # scaled in the copy, unless x is narrower (then widened first, scaled after)
+        if scale != 1.0 and x.dtype == self.cd:
+            torch.mul(view, scale, out=y)
+        else:
+            y.copy_(view)
+            if scale != 1.0:
+                y.mul_(scale)
+        y = y.flatten(1, 2)
         keep = self.keep(r0, r1)
         return y if keep is None else y.mul_(keep)
 
@@ -546,7 +550,10 @@ class _Slots:
         view = self._grid(dst, r0, r1)
         if view is not None:  # straight into dst
             y = y.reshape(view.shape)
-            torch.mul(y, scale, out=view) if scale != 1.0 else view.copy_(y)
+            if scale != 1.0:
+                torch.mul(y, scale, out=view)
+            else:
+                view.copy_(y)
             return
         y = y.mul(scale) if scale != 1.0 else y
         idx = self.tok[r0:r1].reshape(-1)

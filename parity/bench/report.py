@@ -8,6 +8,8 @@ import json
 import os
 import sys
 
+from .runner import MEMORY_ONCE_S, MEMORY_TRIES
+
 MODE_TITLE = {"fwd": "forward", "fwdbwd": "forward + backward"}
 TARGET_AT = 4096  # the targets are stated at this T (the largest run T when it is absent)
 
@@ -281,8 +283,8 @@ def markdown(records, impls, baselines, machine, checks, plots=(), gpu=None,
              "- Peak memory: resident-set growth during one call, the same for torch and JAX: "
              "freed heap returned with malloc_trim, the high-water mark reset through "
              "/proc/self/clear_refs, peak = VmHWM after - VmRSS before (includes outputs); "
-             "the least of 3 calls where a call takes under 1 s (heap reuse and glibc's "
-             "arenas only ever add), else of one.",
+             f"the least of {MEMORY_TRIES} calls where a call takes under {MEMORY_ONCE_S:g} s "
+             "(heap reuse and glibc's arenas only ever add), else of one.",
              "- FLOPs: the chunked algorithm's matmul FLOPs, chunk 64, per (batch, head, chunk "
              "of c tokens): 2c^2 K (QK^T) + 2c^2 V (AV) + 2cKV (QS) + 2cKV (K^T V); "
              "fwd+bwd counts the backward as 2x the forward. The same count is used for every "

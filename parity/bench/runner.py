@@ -14,7 +14,8 @@ from . import flops as flopsmod
 from . import timing, verify
 
 MODES = ("fwd", "fwdbwd")
-MEMORY_TRIES = 3  # peak memory: the least of this many calls, for calls under 1 s
+# peak memory: the least of MEMORY_TRIES calls for a call under MEMORY_ONCE_S, else one
+MEMORY_TRIES, MEMORY_ONCE_S = 3, 1.0
 
 
 class Settings:
@@ -146,7 +147,7 @@ def _measure_point(shape, mode, T, impls, arrays, settings, stopped) -> list:
         peak = None
         if settings.measure_memory:
             try:
-                tries = MEMORY_TRIES if first[name] < 1.0 else 1
+                tries = MEMORY_TRIES if first[name] < MEMORY_ONCE_S else 1
                 peak = timing.peak_memory_bytes(runs[name], tries)
             except OSError:
                 peak = None
