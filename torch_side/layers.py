@@ -102,7 +102,8 @@ class _Layer(nn.Module):
         q = self._heads(self.q_proj(x), H, K)
         k = self._heads(self.k_proj(x), Hk, K)
         v = self._heads(self.v_proj(x), Hk, V)
-        if c.feature_map is not None:  # before the mask: a map may send 0 elsewhere
+        if c.feature_map is not None:  # before the mask: padding keeps q = k = 0
+            # (a map may send 0 elsewhere), so its outputs stay zero
             q, k = (FEATURE_MAPS[c.feature_map](t) for t in (q, k))
         gk = None
         if c.kind == "gla":

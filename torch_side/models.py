@@ -178,10 +178,7 @@ class GLAForCausalLM(nn.Module):
         """Mean next-token cross-entropy as fla computes it: position t predicts labels
         (default input_ids) at t+1; the last position and labels of -100 are ignored."""
         logits = self(input_ids, attention_mask, cu_seqlens)
-        labels = input_ids if labels is None else labels
-        shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
-        return F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(),
-                               ignore_index=-100)
+        return causal_lm_loss(logits, input_ids if labels is None else labels)
 
     # ---------------------------------------------------------------- checkpoints
     def params(self) -> dict:
@@ -293,6 +290,13 @@ class GLAForCausalLM(nn.Module):
             h, states = self.model(tok[:, None], states=states, use_cache=True)
             h = h[:, -1]
         return out
+
+
+def causal_lm_loss(logits, labels):
+    """Mean cross-entropy of logits [B, T, vocab] at t against labels [B, T] at t+1 (fla's
+    shift: the last position and labels of -100 are ignored), in float32."""
+    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
+    return F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=-100)
 
 
 def _pick(logits, temperature, top_k, generator):
