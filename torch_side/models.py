@@ -266,7 +266,7 @@ class GLAForCausalLM(nn.Module):
             else:
                 generator.seed()
         h, states = self.model(inputs_embeds=h, attention_mask=attention_mask,
-                               cu_seqlens=cu_seqlens, use_cache=True)
+                               cu_seqlens=None if cu_seqlens is None else cu, use_cache=True)
         h = h[0, last] if cu_seqlens is not None else h[:, -1]
         N = h.shape[0]
         out = torch.empty(N, max_new_tokens, dtype=torch.long, device=device)
