@@ -176,7 +176,9 @@ class GLAForCausalLM(nn.Module):
 
     def loss(self, input_ids, labels=None, attention_mask=None, cu_seqlens=None):
         """Mean next-token cross-entropy as fla computes it: position t predicts labels
-        (default input_ids) at t+1; the last position and labels of -100 are ignored."""
+        (default input_ids) at t+1; the last position and labels of -100 are ignored
+        (packed with cu_seqlens: set each sequence's first label to -100, or its
+        predecessor learns across the boundary)."""
         logits = self(input_ids, attention_mask, cu_seqlens)
         return causal_lm_loss(logits, input_ids if labels is None else labels)
 
