@@ -9,12 +9,16 @@ PyTorch's layout on both sides (a Linear weight is [out, in]; the JAX apply comp
     g_proj.weight      [H*V, D] (output gate)  g_norm.weight [V]        o_proj.weight [D, H*V]
 
 (D hidden_size, H num_heads, Hk num_kv_heads, K/V per-head key/value dims, R gate_low_rank_dim.)
+The output norm is named `g_norm_swish_gate.weight` instead when config.fuse_norm and
+config.use_output_gate (fla's name for it; `LayerConfig.norm_param`).
 torch and jax are imported lazily so that either side can use the config alone.
 """
 
 from dataclasses import dataclass
 
 KINDS = ("gla", "lightning")
+# fla's feature maps for q and k (its ACT2FN names; "gelu" is the tanh approximation)
+FEATURE_MAPS = ("relu", "sigmoid", "logsigmoid", "swish", "silu", "sqrelu", "gelu")
 
 
 @dataclass(frozen=True)
@@ -22,7 +26,12 @@ class LayerConfig:
     """Hyper-parameters of a GatedLinearAttention ("gla") or LightningAttention layer.
 
     Defaults follow flash-linear-attention's GLA layer: key dim = expand_k * hidden,
-    value dim = expand_v * hidden, gate = logsigmoid(W2 W1 x + b) / gate_logit_normalizer.
+    value dim = expand_v * hidden, gate = max(logsigmoid(W2 W1 x + b) / gate_logit_normalizer,
+    clamp_min); q and k go through `feature_map` (one of FEATURE_MAPS) when given.
+    `fuse_norm` changes no math, only the output norm's name (`norm_param`): fla fuses the
+    norm with the swish output gate and calls it `g_norm_swish_gate`. fla's layer defaults
+    to fuse_norm=True; ours to False, the name the layer had before the model existed
+    (the model sets it from GLAConfig.fuse_norm).
     Frozen and hashable, so a JAX apply can take it as a static argument."""
 
     hidden_size: int
@@ -35,6 +44,9 @@ class LayerConfig:
     gate_logit_normalizer: float = 16.0
     use_output_gate: bool = True
     norm_eps: float = 1e-5
+    clamp_min: float | None = None
+    feature_map: str | None = None
+    fuse_norm: bool = False
     layer_idx: int = 0       # lightning only: picks the constant decay
     num_layers: int = 1      # lightning only
 
@@ -58,9 +70,22 @@ class LayerConfig:
         if not self.gate_logit_normalizer > 0:
             raise ValueError(f"gate_logit_normalizer: expected > 0, "
                              f"got {self.gate_logit_normalizer!r}")
+        if self.clamp_min is not None and not (isinstance(self.clamp_min, (int, float))
+                                               and -float("inf") < self.clamp_min <= 0):
+            raise ValueError(f"clamp_min: expected None or a finite log-decay <= 0, "
+                             f"got {self.clamp_min!r}")
+        if self.feature_map is not None and self.feature_map not in FEATURE_MAPS:
+            raise ValueError(f"feature_map: expected None or one of {FEATURE_MAPS}, "
+                             f"got {self.feature_map!r}")
         if not 0 <= self.layer_idx < self.num_layers:
             raise ValueError(f"layer_idx: expected 0 <= layer_idx < num_layers="
                              f"{self.num_layers}, got {self.layer_idx!r}")
+
+    @property
+    def norm_param(self) -> str:
+        """The output norm's weight name (see the class docstring)."""
+        fused = self.fuse_norm and self.use_output_gate
+        return "g_norm_swish_gate.weight" if fused else "g_norm.weight"
 
     @property
     def kv_heads(self) -> int:
@@ -99,7 +124,7 @@ def param_shapes(config: LayerConfig) -> dict:
                        "gk_proj.1.bias": (Hk * K,)})
     if config.use_output_gate:
         shapes["g_proj.weight"] = (config.value_dim, D)
-    shapes.update({"g_norm.weight": (V,), "o_proj.weight": (D, config.value_dim)})
+    shapes.update({config.norm_param: (V,), "o_proj.weight": (D, config.value_dim)})
     return shapes
 
 

@@ -47,6 +47,15 @@ def np_params(module):
 
 
 # ---------------------------------------------------------------- float64 reference
+_sigmoid = lambda x: 1 / (1 + np.exp(-x))  # noqa: E731
+REF_FEATURE_MAPS = {  # fla's ACT2FN, written out (gelu: its tanh approximation)
+    "relu": lambda x: np.maximum(x, 0), "sigmoid": _sigmoid,
+    "logsigmoid": lambda x: -np.logaddexp(0.0, -x), "swish": lambda x: x * _sigmoid(x),
+    "silu": lambda x: x * _sigmoid(x), "sqrelu": lambda x: np.maximum(x, 0) ** 2,
+    "gelu": lambda x: 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3))),
+}
+
+
 def ref_layer(p, x, c, state=None):
     """The layer in float64 NumPy: projections here, the recurrence from the oracle."""
     H, Hk, K, V = c.num_heads, c.kv_heads, c.head_k_dim, c.head_v_dim
@@ -57,11 +66,15 @@ def ref_layer(p, x, c, state=None):
     if c.kind == "gla":
         z = (x @ p["gk_proj.0.weight"].T) @ p["gk_proj.1.weight"].T + p["gk_proj.1.bias"]
         gk = -np.logaddexp(0.0, -z) / c.gate_logit_normalizer  # logsigmoid
+        if c.clamp_min is not None:
+            gk = np.maximum(gk, c.clamp_min)
+        if c.feature_map is not None:
+            q, k = REF_FEATURE_MAPS[c.feature_map](q), REF_FEATURE_MAPS[c.feature_map](k)
         gk = np.repeat(gk.reshape(Bx, Tx, Hk, K), H // Hk, axis=2)
         o, S = oracle.recurrent_gla(q, k, v, g=gk, initial_state=state)
     else:
         o, S = oracle.lightning_attn(q, k, v, c.layer_idx, c.num_layers, initial_state=state)
-    o = o / np.sqrt((o * o).mean(-1, keepdims=True) + c.norm_eps) * p["g_norm.weight"]
+    o = o / np.sqrt((o * o).mean(-1, keepdims=True) + c.norm_eps) * p[c.norm_param]
     if c.use_output_gate:
         g = (x @ p["g_proj.weight"].T).reshape(Bx, Tx, H, V)
         o = o * g / (1 + np.exp(-g))
@@ -128,6 +141,30 @@ def test_layer_matches_jax_and_oracle(config):
         fd = (loss(plus, x64) - loss(minus, x64)) / (2 * eps)
         got = float((dict(m.named_parameters())[name].grad.double().numpy() * w).sum())
         assert abs(fd - got) < 1e-4 * max(1.0, abs(fd)), name
+
+
+@pytest.mark.parametrize("feature_map", sorted(REF_FEATURE_MAPS))
+def test_feature_maps_clamp_and_fla_norm_name_match_the_reference(feature_map):
+    """fla's layer options (torch layer): q/k feature maps, clamp_min on the log gate and
+    fla's fused norm name, against the float64 reference, with left padding."""
+    c = LayerConfig(hidden_size=16, num_heads=2, num_kv_heads=1, expand_k=1.0,
+                    gate_low_rank_dim=4, gate_logit_normalizer=4.0, clamp_min=-0.2,
+                    feature_map=feature_map, fuse_norm=True)
+    torch.manual_seed(0)
+    m = GatedLinearAttention(config=c)
+    assert c.norm_param == "g_norm_swish_gate.weight" and set(m.state_dict()) == set(
+        param_shapes(c))
+    with torch.no_grad():
+        m.g_norm_swish_gate.weight.uniform_(0.5, 1.5)
+        m.gk_proj[1].bias.uniform_(-1.0, 1.0)
+    seqs, x, mask = _padded_batch(16, [T, 5], seed=16)
+    with torch.no_grad():
+        o, s = m(x, attention_mask=mask, use_cache=True)
+    for i, xi in enumerate(seqs):
+        o_ref, s_ref = ref_layer(np_params(m), xi.double().numpy(), c)
+        n = xi.shape[1]
+        assert rel_err(o[i:i + 1, T - n:], o_ref) < 2e-5 and rel_err(s[i], s_ref[0]) < 2e-5
+        assert bool((o[i, :T - n] == 0).all())
 
 
 # ---------------------------------------------------------------- decoding and padding

@@ -5,3 +5,7 @@ from .ops import gla_attention, lightning_attn, recurrent, recurrent_gla
 
 __all__ = ["recurrent", "recurrent_gla", "lightning_attn", "gla_attention",
            "GatedLinearAttention", "LightningAttention"]
+
+from .models import GLAForCausalLM, GLAModel  # noqa: E402  (the language model)
+
+__all__ += ["GLAModel", "GLAForCausalLM"]

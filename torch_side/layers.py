@@ -1,10 +1,12 @@
 """PyTorch layers over the public ops: GatedLinearAttention and LightningAttention.
 
 Conventions follow the GLA paper / flash-linear-attention's GLA layer (own code):
-q = x Wq, k = x Wk, v = x Wv (k, v on num_kv_heads heads), data-dependent key gate
-gk = logsigmoid(W2 W1 x + b) / gate_logit_normalizer (GLA only; Lightning uses the
-constant per-head decay of `lightning_attn`), o = recurrence, then per-head RMSNorm,
-times swish(x Wg) when use_output_gate, then o_proj.
+q = x Wq, k = x Wk, v = x Wv (k, v on num_kv_heads heads), q and k through the feature
+map when config.feature_map, data-dependent key gate
+gk = max(logsigmoid(W2 W1 x + b) / gate_logit_normalizer, clamp_min) (GLA only; Lightning
+uses the constant per-head decay of `lightning_attn`), o = recurrence, then per-head
+RMSNorm, times swish(x Wg) when use_output_gate, then o_proj. Parameter names are fla's
+(bridge.weights; the norm is `g_norm_swish_gate` when config.fuse_norm).
 
 forward(x [B,T,D], attention_mask [B,T] (1 = token, 0 = padding), cu_seqlens [N+1]
 (x packed as [1,total,D]), state [N,H,K,V], use_cache) returns o [B,T,D], or
@@ -28,8 +30,17 @@ from bridge.weights import LayerConfig, check_inputs
 from . import ops
 
 
-class HeadRMSNorm(nn.Module):
-    """RMSNorm over the last dim (one head's V), computed in float32."""
+# fla's feature maps (bridge.weights.FEATURE_MAPS); "gelu" is its tanh approximation
+FEATURE_MAPS = {
+    "relu": F.relu, "sigmoid": torch.sigmoid, "logsigmoid": F.logsigmoid, "swish": F.silu,
+    "silu": F.silu, "sqrelu": lambda x: F.relu(x).square(),
+    "gelu": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim (a head's V, or the model's hidden size), computed in
+    float32, returned in x's dtype."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -71,7 +82,9 @@ class _Layer(nn.Module):
                                          nn.Linear(c.gate_low_rank_dim, Hk * c.head_k_dim))
         if c.use_output_gate:
             self.g_proj = nn.Linear(D, c.value_dim, bias=False)
-        self.g_norm = HeadRMSNorm(c.head_v_dim, c.norm_eps)
+        # fla's name for the norm depends on whether it fuses it with the gate
+        self.norm_name = c.norm_param.removesuffix(".weight")
+        self.add_module(self.norm_name, RMSNorm(c.head_v_dim, c.norm_eps))
         self.o_proj = nn.Linear(c.value_dim, D, bias=False)
 
     def _heads(self, t, heads, dim):
@@ -89,10 +102,15 @@ class _Layer(nn.Module):
         q = self._heads(self.q_proj(x), H, K)
         k = self._heads(self.k_proj(x), Hk, K)
         v = self._heads(self.v_proj(x), Hk, V)
+        if c.feature_map is not None:  # before the mask: padding keeps q = k = 0
+            # (a map may send 0 elsewhere), so its outputs stay zero
+            q, k = (FEATURE_MAPS[c.feature_map](t) for t in (q, k))
         gk = None
         if c.kind == "gla":
             # float32 gates: log-decays summed over many steps lose too much in bf16
             gk = F.logsigmoid(self.gk_proj(x).float()) / c.gate_logit_normalizer
+            if c.clamp_min is not None:
+                gk = gk.clamp_min(c.clamp_min)
             gk = self._heads(gk, Hk, K)
             if H != Hk:  # head h <- kv head h // G
                 gk = gk.repeat_interleave(H // Hk, dim=2)
@@ -106,7 +124,7 @@ class _Layer(nn.Module):
         # torch.compile; under autocast it runs q, k, v in the autocast dtype and gates and
         # states in float32
         o, final_state = self._recurrence(q, k, v, gk, mask, cu_seqlens, state)
-        o = self.g_norm(o)
+        o = getattr(self, self.norm_name)(o)
         if c.use_output_gate:
             g = self._heads(self.g_proj(x), H, V)
             o = o * F.silu(g)
