@@ -42,68 +42,7 @@ def test_compiled_not_interpreted():
     assert not bridge.kernels.INTERPRETED
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_torch_launch_matches_oracle(case, mode, dtype):
-    arrays = backends.prepared(case, dtype)
-    got = backends.TorchBackend("triton", mode).run(case, arrays, dtype)
-    errs = errors(got, ORACLE.run(case, arrays, dtype), case.gate_grad_floor)
-    assert max(errs.values()) <= tolerance(dtype), errs
-
-
-@pytest.mark.skipif(importlib.util.find_spec("jax_triton") is None,
-                    reason="jax-triton is not installed: JAX cannot launch Triton kernels on CUDA")
-@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
-@pytest.mark.parametrize("case", CASES[:2], ids=lambda c: c.name)
-def test_jax_launch_matches_torch_launch(case, mode):
-    """One kernel, two launchers: the same compiled variant from jax-triton and
-    from Triton's own launcher gives the same numbers."""
-    import jax
-
-    if jax.default_backend() != "gpu":
-        pytest.skip("JAX sees no GPU (install jax[cuda12]): jax-triton needs one")
-    arrays = backends.prepared(case, "bfloat16")
-    got = backends.JaxBackend("triton", mode).run(case, arrays, "bfloat16")
-    want = backends.TorchBackend("triton", mode).run(case, arrays, "bfloat16")
-    same = errors(got, want)
-    assert max(same.values()) <= 1e-6, same
-
-
-def test_reference_shape_chunk_against_fused():
-    """(8, 4096, 16, 128, 128) bf16, forward and backward: the chunked kernels
-    against the fused recurrent ones (two independent algorithms)."""
-    B, T, H, K, V = 8, 4096, 16, 128, 128
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    mk = lambda *s: torch.randn(*s, device="cuda", generator=gen).bfloat16()  # noqa: E731
-    q, k, v, do = mk(B, T, H, K), mk(B, T, H, K), mk(B, T, H, V), mk(B, T, H, V)
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device="cuda", generator=gen)
-                                       ).bfloat16() / 16
-    out = {}
-    for mode in ("chunk", "fused_recurrent"):
-        leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g)]
-        o, s = torch_side.recurrent_gla(*leaves, platform="triton", mode=mode)
-        grads = torch.autograd.grad((o.float() * do.float()).sum() + s.sum(), leaves)
-        out[mode] = [o, s, *grads]
-    for name, a, b in zip(("o", "final_state", "dq", "dk", "dv", "dg"), out["chunk"],
-                          out["fused_recurrent"]):
-        assert torch.isfinite(a).all(), name
-        assert rel_err(a.detach().float().cpu().numpy(), b.detach().float().cpu().numpy()) < 3e-2, name
-
-
-def test_slot_table_on_device_with_traced_lengths():
-    """cu_seqlens read only on the device: many sequences of random lengths (some
-    empty), one launch list, against the oracle."""
-    rng = np.random.default_rng(0)
-    seqlens = tuple(int(x) for x in rng.integers(0, 200, 40))
-    case = cases.Case("many", H=2, Hk=2, K=64, V=64, seqlens=seqlens, g="key",
-                      initial_state=True, packed=True)
-    arrays = backends.prepared(case, "float32")
-    got = backends.TorchBackend("triton", "chunk").run(case, arrays, "float32")
-    errs = errors(got, ORACLE.run(case, arrays, "float32"))
-    assert max(errs.values()) <= tolerance("float32"), errs
-
-
+# the slowest first: pytest-xdist hands tests out in file order
 # ---------------------------------------------------------------- torch.compile on CUDA
 @pytest.mark.parametrize("layer,mode", [("GatedLinearAttention", "chunk"),
                                         ("LightningAttention", "fused_recurrent")])
@@ -147,6 +86,68 @@ def test_compile_fullgraph_layer_on_cuda(layer, mode):
              for lc in family(mode).forward_launches(plan)}
     assert any(n in text for n in names for text in code), (names, len(code))
     torch._dynamo.reset()
+
+
+def test_reference_shape_chunk_against_fused():
+    """(8, 4096, 16, 128, 128) bf16, forward and backward: the chunked kernels
+    against the fused recurrent ones (two independent algorithms)."""
+    B, T, H, K, V = 8, 4096, 16, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda *s: torch.randn(*s, device="cuda", generator=gen).bfloat16()  # noqa: E731
+    q, k, v, do = mk(B, T, H, K), mk(B, T, H, K), mk(B, T, H, V), mk(B, T, H, V)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device="cuda", generator=gen)
+                                       ).bfloat16() / 16
+    out = {}
+    for mode in ("chunk", "fused_recurrent"):
+        leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g)]
+        o, s = torch_side.recurrent_gla(*leaves, platform="triton", mode=mode)
+        grads = torch.autograd.grad((o.float() * do.float()).sum() + s.sum(), leaves)
+        out[mode] = [o, s, *grads]
+    for name, a, b in zip(("o", "final_state", "dq", "dk", "dv", "dg"), out["chunk"],
+                          out["fused_recurrent"]):
+        assert torch.isfinite(a).all(), name
+        assert rel_err(a.detach().float().cpu().numpy(), b.detach().float().cpu().numpy()) < 3e-2, name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_torch_launch_matches_oracle(case, mode, dtype):
+    arrays = backends.prepared(case, dtype)
+    got = backends.TorchBackend("triton", mode).run(case, arrays, dtype)
+    errs = errors(got, ORACLE.run(case, arrays, dtype), case.gate_grad_floor)
+    assert max(errs.values()) <= tolerance(dtype), errs
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_triton") is None,
+                    reason="jax-triton is not installed: JAX cannot launch Triton kernels on CUDA")
+@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
+@pytest.mark.parametrize("case", CASES[:2], ids=lambda c: c.name)
+def test_jax_launch_matches_torch_launch(case, mode):
+    """One kernel, two launchers: the same compiled variant from jax-triton and
+    from Triton's own launcher gives the same numbers."""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX sees no GPU (install jax[cuda12]): jax-triton needs one")
+    arrays = backends.prepared(case, "bfloat16")
+    got = backends.JaxBackend("triton", mode).run(case, arrays, "bfloat16")
+    want = backends.TorchBackend("triton", mode).run(case, arrays, "bfloat16")
+    same = errors(got, want)
+    assert max(same.values()) <= 1e-6, same
+
+
+def test_slot_table_on_device_with_traced_lengths():
+    """cu_seqlens read only on the device: many sequences of random lengths (some
+    empty), one launch list, against the oracle."""
+    rng = np.random.default_rng(0)
+    seqlens = tuple(int(x) for x in rng.integers(0, 200, 40))
+    case = cases.Case("many", H=2, Hk=2, K=64, V=64, seqlens=seqlens, g="key",
+                      initial_state=True, packed=True)
+    arrays = backends.prepared(case, "float32")
+    got = backends.TorchBackend("triton", "chunk").run(case, arrays, "float32")
+    errs = errors(got, ORACLE.run(case, arrays, "float32"))
+    assert max(errs.values()) <= tolerance("float32"), errs
 
 
 # ---------------------------------------------------------------- JAX arrays on the CPU

@@ -4,8 +4,7 @@ Everything this project measures on a GPU, in one command that fits a short leas
 (full: 8 minutes on one H100, --quick: 3). In order, each step under its own time cap
 (parity/gpu/plan.py) and guarded, so a failure is recorded and the next step runs:
 machine, correctness, speed, varlen, decode. Writes DIR/gpu.json (the results),
-DIR/gpu.log (everything the steps printed), DIR/gpu-section.md and DIR/correctness.xml,
-updates BENCHMARKS.md's GPU section (and results.json, and parity/bench/results/gpu.json)
+DIR/gpu.log (everything the steps printed) and DIR/gpu-section.md, updates BENCHMARKS.md's GPU section (and results.json, and parity/bench/results/gpu.json)
 unless --md none, and prints a short table last.
 
 --dry-run runs the same orchestration on the CPU at tiny shapes (Triton's interpreter,
@@ -110,8 +109,8 @@ def step_correctness(kit, deadline):
     kit.background = [kit.child(None, "parity.gpu.fla:precompile", bg_cap, f"fla-precompile-{i}",
                                 worker=i, workers=kit.plan.fla_workers)
                       for i in range(kit.plan.fla_workers)]
-    return kit.child("correctness", "parity.gpu.correctness:run", _left(deadline), "correctness",
-                     xml_path=os.path.join(kit.out, "correctness.xml")).wait()
+    return kit.child("correctness", "parity.gpu.correctness:run", _left(deadline),
+                     "correctness").wait()
 
 
 def _worst(parts):
@@ -202,7 +201,7 @@ def run_kit(out, quick=False, dry=False, md=None, results_json=None, json_copy=N
     injections = injections or {}
     _environment(plan)
     os.makedirs(out, exist_ok=True)
-    for name in ("gpu.log", "gpu.json", "gpu-section.md", "correctness.xml"):
+    for name in ("gpu.log", "gpu.json", "gpu-section.md"):
         if os.path.exists(os.path.join(out, name)):
             os.remove(os.path.join(out, name))
     kit = Kit(plan, out, injections, log)
@@ -275,7 +274,7 @@ def main(argv=None):
                      injections=args.injections,
                      command="python -m parity.gpu " + " ".join(argv),
                      log=lambda m: print(m, flush=True))
-    print(f"outputs in {args.out}: gpu.json, gpu.log, gpu-section.md, correctness.xml")
+    print(f"outputs in {args.out}: gpu.json, gpu.log, gpu-section.md")
     print(render.table(result), flush=True)
 
 

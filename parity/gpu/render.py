@@ -113,14 +113,18 @@ def _speed_tables(result):
         out += ["Not timed:", ""]
         out += [f"- {r['impl']}, T={r['T']}, {r.get('mode')}: {r['error']}" for r in errors]
         out.append("")
-    mem = [r for r in rows if r.get("peak_bytes") is not None or r.get("xla_bytes") is not None]
-    if mem:
+    mem = {(r["T"], r["mode"], r["impl"]): r.get("peak_bytes") if r.get("peak_bytes") is not None
+           else r.get("xla_bytes") for r in rows if r.get("launch") in ("torch", "jax")}
+    cols = list(dict.fromkeys(k[2] for k, b in mem.items() if b is not None))
+    if cols:
         out += ["Peak device memory of one call, MiB (torch: max_memory_allocated over the "
-                "call, outputs included; JAX: XLA's compiled plan, temporaries + outputs):", "",
-                "| T | mode | implementation | MiB |", "|---|---|---|---|"]
-        for r in mem:
-            b = r.get("peak_bytes") if r.get("peak_bytes") is not None else r.get("xla_bytes")
-            out.append(f"| {r['T']} | {r['mode']} | {r['impl']} | {b / 2 ** 20:.0f} |")
+                "call less what was allocated before, outputs included; JAX: XLA's compiled "
+                "plan, temporaries + outputs):", "",
+                "| T | mode | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+        for T, mode in dict.fromkeys(k[:2] for k in mem):
+            cell = lambda i: mem.get((T, mode, i))  # noqa: E731
+            out.append(f"| {T} | {mode} | " + " | ".join(
+                "-" if cell(i) is None else f"{cell(i) / 2 ** 20:.0f}" for i in cols) + " |")
         out.append("")
     pairs = [(r, next((s for s in rows if s.get("launch") == "torch-synced"
                        and s["family"] == r["family"] and s["T"] == r["T"]
