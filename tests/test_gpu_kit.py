@@ -81,7 +81,7 @@ def test_speed_times_every_implementation_and_they_agree(clean):
     launches = _rows(by["speed"], "launch")
     assert launches and all(r["ms"] > 0 and r["bound_ms"] > 0 for r in launches)
     assert {r["stage"] for r in launches} == {"fwd", "bwd"}
-    assert "compile workers" in by["speed"]["result"]["fla_warm"]
+    assert "compile-ahead workers" in by["speed"]["result"]["ahead"]
 
 
 def test_varlen_and_decode(clean):
@@ -138,3 +138,44 @@ def test_schema_and_section_placement():
     assert render.replace_section(text, "new") == want
     assert render.replace_section("# B\n", "new").endswith("\n\n## GPU\n\nnew\n")
     assert render.replace_section("x\n## GPU\n\nold\n", "new") == "x\n## GPU\n\nnew\n"
+
+
+AUTOTUNE_SCRIPT = """
+import bridge.kernels  # Triton's interpreter, before triton loads
+import torch, triton, triton.language as tl
+from triton.runtime import autotuner
+from parity.gpu import fla
+
+@triton.autotune(configs=[triton.Config({"B": b}) for b in (16, 32, 64, 128)], key=["n"],
+                 do_bench=lambda fn, quantiles=None: (fn(), [1.0, 1.0, 1.0])[1])
+@triton.jit
+def k(x, n, B: tl.constexpr):
+    o = tl.arange(0, B)
+    tl.store(x + o, tl.load(x + o, mask=o < n) + 1, mask=o < n)
+
+seen, bench = [], autotuner.Autotuner._bench
+autotuner.Autotuner._bench = lambda self, *a, config, **kw: (
+    seen.append(config.kwargs["B"]), bench(self, *a, config=config, **kw))[1]
+fla.subset(1, 2)
+x = torch.zeros(16)
+k[(1,)](x, 16)
+print("benchmarked", seen)
+fla.no_autotune()
+k[(1,)](x, 16)
+print("tuned key runs")
+try:
+    k[(1,)](x, 9)
+except fla.NotWarmed as e:
+    print("refused:", e)
+"""
+
+
+def test_fla_autotuner_controls():
+    """Compile workers benchmark only their share of the configs; a timed process refuses
+    to autotune a key the warm-up did not reach, and runs one it did (a Triton autotuner
+    under the interpreter, in a process of its own: the patches are process-wide)."""
+    out = subprocess.run([sys.executable, "-c", AUTOTUNE_SCRIPT], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert "benchmarked [32, 128]" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "tuned key runs" in out.stdout
+    assert "refused: fla's autotuner for k was not warmed" in out.stdout

@@ -99,16 +99,22 @@ def _left(deadline):
 
 def step_machine(kit, deadline):
     out = kit.child("machine", "parity.gpu.machine:run", _left(deadline), "machine").wait()
+    if out["result"] is None:  # the facts it read before failing, without the ceilings
+        facts = [r for r in out["rows"] if r["kind"] == "facts"]
+        out["result"] = {k: v for k, v in facts[-1].items() if k != "kind"} if facts else None
     kit.machine = out["result"] or {}
     return out
 
 
 def step_correctness(kit, deadline):
-    # fla's configs compile meanwhile (parity/gpu/fla.py): CPU work beside the tests
-    bg_cap = _left(deadline) + kit.plan.speed_caps["fla_warm"]
-    kit.background = [kit.child(None, "parity.gpu.fla:precompile", bg_cap, f"fla-precompile-{i}",
-                                worker=i, workers=kit.plan.fla_workers)
-                      for i in range(kit.plan.fla_workers)]
+    # meanwhile our later calls and fla's autotune configs compile (parity/gpu/ahead.py)
+    p, cap = kit.plan, _left(deadline) + kit.plan.speed_caps["fla_tune"]
+    kit.background = [kit.child(None, "parity.gpu.ahead:ours", cap, f"ahead-ours-{i}",
+                                worker=i, workers=p.ahead_workers)
+                      for i in range(p.ahead_workers)]
+    kit.background += [kit.child(None, "parity.gpu.ahead:fla_compile", cap, f"ahead-fla-{i}",
+                                 worker=i, workers=p.fla_workers)
+                       for i in range(p.fla_workers)]
     return kit.child("correctness", "parity.gpu.correctness:run", _left(deadline),
                      "correctness").wait()
 
@@ -130,13 +136,13 @@ def _part(kit, target, cap_s, tag, **kwargs):
 
 
 def step_speed(kit, deadline):
-    """fla's warm-up (its compile workers, then its autotuning alone), then the torch and
-    JAX timings, one after the other."""
+    """The compiles started in step 2 finish (or are cut off), fla's autotuning runs alone,
+    then the torch and JAX timings, one after the other."""
     p = kit.plan
-    warm_end = min(time.monotonic() + p.speed_caps["fla_warm"], deadline)
-    pre = [c.wait(until=warm_end) for c in kit.background]
+    warm_end = min(time.monotonic() + p.speed_caps["fla_tune"], deadline)
+    ahead = [c.wait(until=warm_end) for c in kit.background]
     kit.background = []
-    parts = {"fla_warm": _part(kit, "parity.gpu.fla:warm", _left(warm_end), "fla-warm")}
+    parts = {"fla_tune": _part(kit, "parity.gpu.ahead:fla_tune", _left(warm_end), "fla-tune")}
     parts["torch"] = _part(kit, "parity.gpu.speed:torch_child",
                            min(p.speed_caps["torch"], _left(deadline) - 5), "speed-torch",
                            tf_peak=kit.machine.get("matmul_tflops") or 989.0,
@@ -144,16 +150,16 @@ def step_speed(kit, deadline):
     parts["jax"] = _part(kit, "parity.gpu.speed:jax_child",
                          min(p.speed_caps["jax"], _left(deadline)), "speed-jax")
     status, error = _worst(parts)
-    warm = parts["fla_warm"]
-    calls = [r for r in warm["rows"] if r.get("kind") == "call"]
-    note = (warm["result"] or {}).get("stand_in") or (warm["result"] or {}).get("skipped")
-    fla_warm = (f"{sum(o['status'] == 'ok' for o in pre)} of {len(pre)} compile workers "
-                f"finished in {max((o['wall_s'] for o in pre), default=0):.0f} s; the warm-up "
-                f"({warm['status']}, {warm['wall_s']:.0f} s) made "
-                f"{sum('error' not in r for r in calls)} of {len(calls)} calls"
-                + (f" ({note})" if note else "") + (f" ({warm['error']})" if warm["error"] else ""))
+    tune = parts["fla_tune"]
+    calls = [r for r in tune["rows"] if r.get("kind") == "call"]
+    note = (tune["result"] or {}).get("stand_in") or (tune["result"] or {}).get("skipped")
+    ahead = (f"{sum(o['status'] == 'ok' for o in ahead)} of {len(ahead)} compile-ahead workers "
+             f"(ours, fla's configs) finished in {max((o['wall_s'] for o in ahead), default=0):.0f}"
+             f" s; fla's autotuning ({tune['status']}, {tune['wall_s']:.0f} s) made "
+             f"{sum('error' not in r for r in calls)} of {len(calls)} calls"
+             + (f" ({note})" if note else "") + (f" ({tune['error']})" if tune["error"] else ""))
     rows = [r for o in parts.values() for r in o["rows"]]
-    result = dict(B=p.B, H=p.H, K=p.K, V=p.V, Ts=list(p.Ts), fla_warm=fla_warm,
+    result = dict(B=p.B, H=p.H, K=p.K, V=p.V, Ts=list(p.Ts), ahead=ahead,
                   parts={n: {k: o[k] for k in ("status", "wall_s", "error")}
                          for n, o in parts.items()})
     return {"status": status, "rows": rows, "result": result, "error": error}

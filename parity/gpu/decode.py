@@ -14,23 +14,26 @@ from . import fla as fla_mod
 
 
 def _pair(plan, fns):
-    """(ours, fla's) GLA layers with the same weights, on the plan's device and dtype."""
+    """(ours, fla's or None without fns, dtype): GLA layers with the same weights, on the
+    plan's device and dtype."""
     import torch
 
     from torch_side import layers
 
     hidden, heads = plan.decode_layer
+    dtype = torch.float32 if plan.dry else torch.bfloat16
+    torch.manual_seed(0)
+    ours = layers.GatedLinearAttention(hidden_size=hidden, num_heads=heads, platform="triton")
+    if fns is None:
+        return ours.to(plan.device, dtype), None, dtype
     fused = fns["fused_recurrent_gla"]
 
     class FlaGLA(layers.GatedLinearAttention):
         def _recurrence(self, q, k, v, gk, mask, cu_seqlens, state):
             return fused(q, k, v, gk=gk, initial_state=state, output_final_state=True)
 
-    torch.manual_seed(0)
-    ours = layers.GatedLinearAttention(hidden_size=hidden, num_heads=heads, platform="triton")
     ref = FlaGLA(hidden_size=hidden, num_heads=heads)
     ref.load_state_dict(ours.state_dict())
-    dtype = torch.float32 if plan.dry else torch.bfloat16
     return ours.to(plan.device, dtype), ref.to(plan.device, dtype), dtype
 
 
@@ -44,20 +47,26 @@ def _start(plan, B, dtype):
     return x, torch.zeros(B, heads, K, V, device=plan.device)
 
 
-def fla_calls(plan):
-    fns, _ = fla_mod.ops(plan)
-    if fns is None:
-        return []
-
+def _steps(plan, fns, which):
+    """A thunk: one decoding step of ours (which=0) or fla's layer (1) at each batch."""
     def thunk():
         import torch
 
-        _, ref, dtype = _pair(plan, fns)
+        pair = _pair(plan, fns)
         with torch.no_grad():
             for B in plan.decode_batches:
-                x, s = _start(plan, B, dtype)
-                ref(x, state=s, use_cache=True)
-    return [("decode fused_recurrent_gla", thunk)]
+                x, s = _start(plan, B, pair[2])
+                pair[which](x, state=s, use_cache=True)
+    return thunk
+
+
+def ours_calls(plan):
+    return [("decode ours", _steps(plan, None, 0))]
+
+
+def fla_calls(plan):
+    fns, _ = fla_mod.ops(plan)
+    return [] if fns is None else [("decode fused_recurrent_gla", _steps(plan, fns, 1))]
 
 
 def run(emit, deadline, *, plan):

@@ -7,34 +7,39 @@ starting measurements it cannot finish. The kit's whole budget bounds the sum: a
 starts with at most what is left of it.
 
 Estimates for one H100 from a cold start (no Triton cache), from the first H100 session
-(2026-11-24: tests/test_cuda.py ~3 min serially; fla's first backward autotune outran
-minutes; our forward+backward ~55 ms at T=8192) and counts of compiles and calls:
+(2026-11-24: tests/test_cuda.py took ~3 min serially; fla's first backward autotune
+outran minutes; our forward+backward ~55 ms at T=8192) and counts of compiles and calls
+(a Triton compile of one of these kernels: ~1.5-3 s of one CPU core; 16 cores):
 
-  full (budget 480 s; caps sum to 465 s)
-  machine      cap 30   est 12   torch+CUDA init ~5 s; 8192^3 bf16 matmul and a 1 GiB copy,
+  full: budget 480 s, caps sum to 450 s (30 s for starting processes and writing)
+  machine      cap 25   est 12   CUDA init ~5 s; an 8192^3 bf16 matmul and a 1 GiB copy,
                                  do_bench 100 ms each
-  correctness  cap 150  est 100  pytest -n 8 on tests/test_cuda.py: ~110 kernel variants
-                                 compiled across 8 workers (~1.5 s each: ~25 s a worker),
-                                 two Inductor compiles of a layer (~40 s each, in parallel),
-                                 the (8,4096,16,128,128) test ~10 s. Meanwhile 8 fla
-                                 precompile workers (~190 autotune configs, ~1.5 s each)
-  speed        cap 195  est 150  fla's autotuner warmed alone on the GPU (cap 60, est 30:
-                                 configs load from the cache, ~190 x 0.15 s benchmarks);
-                                 torch child (cap 80, est 55): 4 impls x 3 T x 2 modes = 24
-                                 do_bench (~0.5 s) + peak memory + per-launch times at
-                                 T=4096 (~20 launches); JAX child (cap 70, est 50): 12 jit
-                                 compiles (~2 s), 24 synced do_bench
-  varlen       cap 45   est 20   64 sequences (~47k tokens): ours and fla fwd, fwd+bwd, and
-                                 the sync check
-  decode       cap 45   est 20   3 batches x 2 layers x (2 warm + 5 timed) runs of 64 steps
+  correctness  cap 150  est 110  pytest -n 6 on tests/test_cuda.py (28 tests): ~110 kernel
+                                 variants over 6 workers (~40 s a worker), two Inductor
+                                 compiles of a layer (~40-60 s each, started first), the
+                                 (8,4096,16,128,128) test ~10 s. Beside it (ahead.py):
+                                 4 workers compile the ~45 variants of ours the later steps
+                                 time (~35 s a worker), 6 compile fla's ~190 autotune
+                                 configs (~60-90 s a worker)
+  speed        cap 210  est 150  what is left of those compiles, then fla's autotuning
+                                 alone on the GPU (cap 70, est 40: ~190 configs load from
+                                 the cache and run ~0.2 s each); torch child (cap 75,
+                                 est 45): 4 impls x 3 T x 2 modes = 24 do_bench of ~0.5-1 s
+                                 + one call each for peak memory + ~20 launches at T=4096;
+                                 JAX child (cap 65, est 50): 12 XLA compiles (~2 s) and 24
+                                 synchronized do_bench
+  varlen       cap 35   est 15   ~47k tokens: 3 impls x 2 modes, each: a sync check (2
+                                 calls), do_bench, a call for memory
+  decode       cap 30   est 12   3 batches x 2 layers x (2 warm-up + 5 timed) runs of 64
+                                 steps (~0.1-0.3 ms a step: launch-bound)
 
-  quick (budget 180 s; caps sum to 175 s): T = 4096 only; pytest on the first case with
-  the chunked kernels, the JAX-CPU, host-sync and bad-offsets tests (no Inductor
-  compiles, no (8,4096) test); fla warm cap 25 s; launches at T = 1024; varlen and
-  decode with fewer repeats.
+  quick: budget 180 s, caps sum to 175 s. T = 4096 only; pytest on the first case's
+  chunked kernels, the JAX-CPU, host-sync and bad-offsets tests (no Inductor compile, no
+  (8,4096) test: est 50 s); fla's tuning cap 25 s, so fla's rows may say "not warmed";
+  launches at T = 1024; decode at batch 1 and 64, fewer runs.
 
-  dry run (CPU, the interpreter, stand-ins): tiny shapes; caps generous for a loaded
-  2-core machine, the whole run ~20-30 s.
+  dry run (the CPU, the interpreter, stand-ins): tiny shapes; caps generous for a loaded
+  2-core machine; the whole run ~25-40 s there.
 """
 
 from dataclasses import dataclass, field
@@ -49,7 +54,7 @@ class Plan:
     budget_s: float
     caps: dict                # step -> seconds
     estimates: dict           # step -> seconds (what the cap was set from)
-    speed_caps: dict          # the speed step's children: fla_warm, torch, jax
+    speed_caps: dict          # the speed step's children: fla_tune, torch, jax
     B: int = 8
     H: int = 16
     K: int = 128
@@ -63,7 +68,8 @@ class Plan:
     rep_ms: int = 250
     host_calls: int = 3
     pytest_args: tuple = ()
-    fla_workers: int = 8
+    ahead_workers: int = 4                 # parity/gpu/ahead.py: ours, fla's configs
+    fla_workers: int = 6
     jax_families: tuple = ("chunk", "fused_recurrent")
     launch_families: tuple = ("chunk", "fused_recurrent")
     varlen_seqs: int = 64
@@ -82,19 +88,19 @@ class Plan:
 
 FULL = Plan(
     name="full", device="cuda", budget_s=480,
-    caps=dict(machine=30, correctness=150, speed=195, varlen=45, decode=45),
-    estimates=dict(machine=12, correctness=100, speed=150, varlen=20, decode=20),
-    speed_caps=dict(fla_warm=60, torch=80, jax=70),
-    pytest_args=("-n", "8", "--dist", "load"),
+    caps=dict(machine=25, correctness=150, speed=210, varlen=35, decode=30),
+    estimates=dict(machine=12, correctness=110, speed=150, varlen=15, decode=12),
+    speed_caps=dict(fla_tune=70, torch=75, jax=65),
+    pytest_args=("-n", "6", "--dist", "load"),
 )
 
 QUICK = Plan(
     name="quick", device="cuda", budget_s=180,
-    caps=dict(machine=20, correctness=60, speed=65, varlen=15, decode=15),
-    estimates=dict(machine=10, correctness=45, speed=50, varlen=10, decode=8),
-    speed_caps=dict(fla_warm=25, torch=25, jax=25),
+    caps=dict(machine=15, correctness=60, speed=75, varlen=15, decode=10),
+    estimates=dict(machine=10, correctness=50, speed=60, varlen=10, decode=6),
+    speed_caps=dict(fla_tune=25, torch=25, jax=25),
     Ts=(4096,), launch_T=1024, matmul_n=4096, copy_bytes=2 ** 28, rep_ms=100,
-    pytest_args=("-n", "8", "--dist", "load", "-k",
+    pytest_args=("-n", "6", "--dist", "load", "-k",
                  "compiled_not or gla-chunks-chunk or committed or host_sync or bad_offsets"),
     decode_batches=(1, 64), decode_steps=32, decode_runs=3,
 )
@@ -103,9 +109,9 @@ DRY = Plan(
     name="dry-run", device="cpu", budget_s=240,
     caps=dict(machine=40, correctness=60, speed=90, varlen=40, decode=40),
     estimates=dict(machine=1, correctness=5, speed=12, varlen=3, decode=2),
-    speed_caps=dict(fla_warm=20, torch=40, jax=40),
+    speed_caps=dict(fla_tune=20, torch=40, jax=40),
     B=1, H=1, K=16, V=16, Ts=(16,), fla_T=16, launch_T=16, matmul_n=128,
-    copy_bytes=2 ** 22, warmup_ms=1, rep_ms=1, host_calls=1, fla_workers=1,
+    copy_bytes=2 ** 22, warmup_ms=1, rep_ms=1, host_calls=1, ahead_workers=1, fla_workers=1,
     # the interpreted chunked backward costs seconds even here: JAX and the per-launch
     # times take the fused family only (the same code, another family name)
     jax_families=("fused_recurrent",), launch_families=("fused_recurrent",),
@@ -117,7 +123,8 @@ DRY = Plan(
         "JAX launch and the per-launch times for the fused family only",
         "fla chunk_gla: gla-bridge's torch-native chunked path (platform='torch')",
         "fla fused_recurrent_gla: a plain per-step torch loop",
-        "fla's autotuner warm-up: processes that warm nothing (fla's kernels need CUDA)",
+        "compiling and tuning ahead: processes that compile and tune nothing (the "
+        "interpreter compiles nothing; fla's stand-ins have no autotuner)",
         "host-sync check: the contract's offsets check on offsets posing as CUDA "
         "(host reads raise), not torch.cuda.set_sync_debug_mode",
         "peak device memory: not measured (no CUDA allocator)",

@@ -267,8 +267,8 @@ def _machine_line(result):
     if m.get("torch_cuda"):
         parts.append(f"CUDA {m['torch_cuda']}")
     if m.get("sm_count"):
-        parts.append(f"{m['sm_count']} SMs, L2 {m.get('l2_bytes', 0) / 2 ** 20:.0f} MiB, "
-                     f"{m.get('memory_bytes', 0) / 2 ** 30:.0f} GiB")
+        parts.append(f"{m['sm_count']} SMs, L2 {(m.get('l2_bytes') or 0) / 2 ** 20:.0f} MiB, "
+                     f"{(m.get('memory_bytes') or 0) / 2 ** 30:.0f} GiB")
     line = (f"Measured by `{result['command']}` ({result['kit']}; {result['wall_s']:.0f} s of its "
             f"{result['budget_s']:.0f} s budget) on {', '.join(parts)}, {result['date']}, "
             f"commit {result['commit']}: "
@@ -309,8 +309,8 @@ def markdown(result) -> str:
     s = _step(result, "speed")
     B, H, K, V = (s["result"].get(k) for k in ("B", "H", "K", "V"))
     out += [f"### Speed, (B,H,K,V) = ({B},{H},{K},{V}), GLA key gate", ""]
-    if s["result"].get("fla_warm"):
-        out += [f"fla's autotuner, warmed first: {s['result']['fla_warm']}.", ""]
+    if s["result"].get("ahead"):
+        out += [f"Compiled and tuned ahead (parity/gpu/ahead.py): {s['result']['ahead']}.", ""]
     out += _speed_tables(result)
     out += ["### Packed variable-length sequences", ""] + _varlen_table(result)
     out += ["### Decoding", ""] + _decode_table(result)

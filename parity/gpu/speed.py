@@ -107,6 +107,47 @@ def fla_calls(plan):
     return out
 
 
+def ours_calls(plan):
+    """[(label, thunk)]: each family's calls of ours this step makes, once, at the smallest
+    T (compiles do not depend on T): torch forward and forward+backward, the per-launch
+    variants, and the JAX launch (parity/gpu/ahead.py)."""
+    size = sizes(plan)[0]
+    launch_size = (plan.B, plan.launch_T, plan.H, plan.K, plan.V)
+    out = []
+    for family in FAMILIES:
+        def torch_thunk(family=family):
+            q, k, v, g, do = _leaves(size, plan.device, 0)
+            for mode in ("fwd", "fwdbwd"):
+                _torch_fn(_ours(family), lambda: (q, k, v, g, do), mode)()
+            if family in plan.launch_families:
+                gpu.launch_times(family, launch_size, 1.0, 1.0, plan.device, rep_ms=1)
+        out.append((f"speed ours {family} (torch)", torch_thunk))
+    for family in plan.jax_families:
+        def jax_thunk(family=family):
+            import jax
+
+            ins = [jax.dlpack.from_dlpack(x.detach()) for x in _leaves(size, plan.device, 0)]
+            for mode, jitted in zip(("fwd", "fwdbwd"), _jax_ops(family)):
+                jax.block_until_ready(jitted(*(ins[:4] if mode == "fwd" else ins)))
+        out.append((f"speed ours {family} (jax)", jax_thunk))
+    return out
+
+
+def _jax_ops(family):
+    """(jitted forward, jitted gradients of sum(o * do) w.r.t. q, k, v, g) of ours in JAX."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_side
+
+    def op(q, k, v, g):
+        return jax_side.recurrent_gla(q, k, v, g, platform="triton", mode=family)[0]
+
+    def loss(q, k, v, g, do):
+        return jnp.sum(op(q, k, v, g).astype(jnp.float32) * do.astype(jnp.float32))
+    return jax.jit(op), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+
+
 def _measure(emit, plan, deadline, row, call, size, mode, peak=True):
     """Time (and size) one call into a row; a failure or a passed deadline is the row's error."""
     if _late(deadline):
@@ -174,16 +215,6 @@ def jax_child(emit, deadline, *, plan):
     import jax.numpy as jnp
     import torch
 
-    import jax_side
-
-    def jax_ops(family):
-        def op(q, k, v, g):
-            return jax_side.recurrent_gla(q, k, v, g, platform="triton", mode=family)[0]
-
-        def loss(q, k, v, g, do):
-            return jnp.sum(op(q, k, v, g).astype(jnp.float32) * do.astype(jnp.float32))
-        return jax.jit(op), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-
     sync = (lambda: None) if plan.dry else torch.cuda.synchronize
     for size in sizes(plan):
         torch_sets = gpu.rotating(lambda i: _leaves(size, plan.device, i), _set_bytes(size),
@@ -198,7 +229,7 @@ def jax_child(emit, deadline, *, plan):
 
         for family in plan.jax_families:
             compiled = {}
-            for mode, jitted in zip(("fwd", "fwdbwd"), jax_ops(family)):
+            for mode, jitted in zip(("fwd", "fwdbwd"), _jax_ops(family)):
                 ins = (lambda: next_jax()[:4]) if mode == "fwd" else next_jax
                 row = dict(impl=f"ours {family} (jax)", launch="jax", family=family, T=size[1],
                            mode=mode, xla_bytes=None)

@@ -58,6 +58,14 @@ def _call(op, ins, mode):
     return torch.autograd.grad(op(q, k, v, g), (q, k, v, g), do)
 
 
+def ours_calls(plan):
+    def thunk():
+        _, ins, cu, cu_host = workload(plan)
+        for mode in ("fwd", "fwdbwd"):
+            _call(_ops(plan, None, cu, cu_host)["ours chunk (torch)"], ins, mode)
+    return [("varlen ours chunk", thunk)]
+
+
 def fla_calls(plan):
     fns, _ = fla_mod.ops(plan)
     if fns is None:
