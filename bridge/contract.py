@@ -1,15 +1,26 @@
 """The argument contract of every op in SPEC.md, written once for every backend.
 
-`check(...)` reads only shapes, dtypes, devices and (when they are concrete)
+`check(...)` reads only shapes, dtypes, devices and (where they are on the host)
 `cu_seqlens` values, so it serves torch tensors, jax arrays (traced or not) and
 numpy arrays alike. It raises `ValueError`/`TypeError` naming the argument, the
 expected and the actual shape or value, and returns a frozen `Plan` that the
 launchers use instead of re-deriving sizes.
+
+Offsets on a GPU or TPU are never read on the host (a read would stall the
+host until the device catches up, once per call): torch tensors on a GPU are
+checked on the device, asynchronously (`torch._assert_async`: a bad value fails
+the next synchronizing call with a device-side assert, before any kernel queued
+after the check has run), and concrete JAX arrays on a GPU or TPU go unchecked,
+as traced ones do. `GLA_BRIDGE_HOST_CHECKS=1` in the environment, or the
+`host_checks()` context, reads them on the host instead, raising the
+`ValueError`s below (one sync per call).
 """
 
 from __future__ import annotations
 
+import contextlib
 import numbers
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,13 +80,26 @@ class ShapeOnly:
         self.device, self.framework = _device(x), _framework(x)
 
 
+_TORCH_TYPES: dict = {}  # type -> whether it is torch's (`_is_torch` asks once a type)
+
+
+def _is_torch(x) -> bool:
+    """Whether x is a torch tensor (of torch's own types or a subclass of them)."""
+    t = type(x)
+    torchy = _TORCH_TYPES.get(t)
+    if torchy is None:
+        torchy = _TORCH_TYPES[t] = any(c.__module__ == "torch" or c.__module__.startswith("torch.")
+                                       for c in t.__mro__[:-1])
+    return torchy
+
+
 def _device(x):
     """A comparable device label, or None where none applies (numpy) or can be known (tracers)."""
     if isinstance(x, ShapeOnly):
         return x.device
     if isinstance(x, np.ndarray):
         return None
-    if type(x).__module__.startswith("torch"):
+    if _is_torch(x):
         return str(x.device)
     try:  # concrete jax array
         return ",".join(sorted(str(d) for d in x.devices()))
@@ -89,16 +113,46 @@ def _framework(x) -> str:
         return x.framework
     if isinstance(x, np.ndarray):
         return "numpy"
-    return "torch" if type(x).__module__.startswith("torch") else "jax"
+    return "torch" if _is_torch(x) else "jax"
+
+
+_HOST_CHECKS = [os.environ.get("GLA_BRIDGE_HOST_CHECKS", "0") == "1"]
+
+
+@contextlib.contextmanager
+def host_checks(on: bool = True):
+    """Within it, offsets on a GPU or TPU are read on the host and checked there (a
+    device sync per call, for the contract's exact ValueErrors); GLA_BRIDGE_HOST_CHECKS=1
+    in the environment is the same for the whole process."""
+    was = _HOST_CHECKS[0]
+    _HOST_CHECKS[0] = on
+    try:
+        yield
+    finally:
+        _HOST_CHECKS[0] = was
+
+
+def on_device(x) -> bool:
+    """Whether x's values live on a GPU or TPU, where reading them on the host waits for
+    the device: a torch tensor on CUDA (or ROCm), a concrete JAX array on a GPU or TPU."""
+    if isinstance(x, (ShapeOnly, np.ndarray)):
+        return False
+    if _is_torch(x):
+        return x.device.type == "cuda"
+    try:
+        return any(d.platform != "cpu" for d in x.devices())
+    except Exception:  # a tracer, or not a JAX array
+        return False
 
 
 def known_values(x):
-    """The values of `x` as a numpy array, or None while they are traced."""
-    if isinstance(x, ShapeOnly):
+    """The values of `x` as a numpy array, or None while they are traced or, unless
+    `host_checks` is on, live on a GPU or TPU (`on_device`)."""
+    if isinstance(x, ShapeOnly) or (on_device(x) and not _HOST_CHECKS[0]):
         return None
     if isinstance(x, np.ndarray):
         return x
-    if type(x).__module__.startswith("torch"):
+    if _is_torch(x):
         return x.detach().cpu().numpy()
     try:
         return np.asarray(x)
@@ -132,17 +186,13 @@ def _expect_float(name, x):
 
 _PLANS: dict = {}  # signature -> Plan of arguments that passed (see check)
 _PLANS_MAX = 256
-_TORCH_TYPES: dict = {}  # type -> whether torch's (`_signature` asks once a type)
 
 
 def _signature(x):
     """What `check` reads of a given array besides cu_seqlens values: its type, shape, dtype
     and device (torch's own device object: cheaper than its label)."""
     t = type(x)
-    torchy = _TORCH_TYPES.get(t)
-    if torchy is None:
-        torchy = _TORCH_TYPES[t] = t.__module__.startswith("torch")
-    if torchy:  # a symbolic size refuses to hash
+    if _is_torch(x):  # a symbolic size refuses to hash
         return t, x.shape, x.dtype, x.device
     shape = tuple(x.shape)
     if not all(type(s) is int for s in shape):  # symbolic (jax.export): no memo
@@ -275,10 +325,15 @@ def _check(q, k, v, g, g_gamma, gk, gv, softmax_scale, initial_state, reverse,
                 dtype=dtype_name(q))
 
 
+_OFFSET_ERRORS = ("cu_seqlens: expected to start at 0",
+                  "cu_seqlens: expected non-decreasing values",
+                  "cu_seqlens: expected to end at the token count {total}")
+
+
 def check_offsets(cu_seqlens, total) -> int:
     """Validate packed-sequence offsets [N + 1] (integer, starting at 0, non-decreasing,
     ending at `total` tokens; values only where known, ends not checked for total None)
-    and return N."""
+    and return N. Torch offsets on a GPU are checked on the device (module doc)."""
     if not hasattr(cu_seqlens, "shape") or not hasattr(cu_seqlens, "dtype"):
         raise TypeError(f"cu_seqlens: expected a 1-d integer array or tensor, "
                         f"got {type(cu_seqlens).__name__}")
@@ -287,19 +342,35 @@ def check_offsets(cu_seqlens, total) -> int:
     if len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"cu_seqlens: expected shape [N + 1] with N >= 1, "
                          f"got {_shape(cu_seqlens)}")
-    cu = None if total is None else known_values(cu_seqlens)
+    if total is None:
+        return int(cu_seqlens.shape[0]) - 1
+    cu = known_values(cu_seqlens)
     if cu is not None:
+        start, order, end = _OFFSET_ERRORS
         if cu[0] != 0:
-            raise ValueError(f"cu_seqlens: expected to start at 0, got cu_seqlens[0]={int(cu[0])}")
+            raise ValueError(f"{start}, got cu_seqlens[0]={int(cu[0])}")
         steps = np.diff(cu.astype(np.int64))
         if (steps < 0).any():
             i = int(np.argmax(steps < 0))
-            raise ValueError(f"cu_seqlens: expected non-decreasing values, got "
+            raise ValueError(f"{order}, got "
                              f"cu_seqlens[{i}]={int(cu[i])} > cu_seqlens[{i + 1}]={int(cu[i + 1])}")
         if cu[-1] != total:
-            raise ValueError(f"cu_seqlens: expected to end at the token count {total}, "
-                             f"got cu_seqlens[-1]={int(cu[-1])}")
+            raise ValueError(f"{end.format(total=total)}, got cu_seqlens[-1]={int(cu[-1])}")
+    elif _is_torch(cu_seqlens) and on_device(cu_seqlens):
+        _assert_on_device(cu_seqlens.detach(), total)
     return int(cu_seqlens.shape[0]) - 1
+
+
+def _assert_on_device(cu, total):
+    """The value checks of `check_offsets` queued on cu's device, without waiting for it:
+    a failure surfaces at the next synchronizing call (a device-side assert on CUDA; the
+    messages reach the host only where the device can raise them)."""
+    import torch
+
+    start, order, end = _OFFSET_ERRORS
+    torch._assert_async(cu[0] == 0, start)
+    torch._assert_async((cu[1:] >= cu[:-1]).all(), order)
+    torch._assert_async(cu[-1] == total, end.format(total=total))
 
 
 def _check_scale(softmax_scale, K) -> float:

@@ -283,3 +283,66 @@ def test_kernel_mode_varlen_uses_the_mean_length():
     total is long; a few long ones go to the chunked kernels."""
     assert dispatch.kernel_mode("auto", _plan(0, seqlens=[4] * 256)) == "fused_recurrent"
     assert dispatch.kernel_mode("auto", _plan(0, seqlens=[1500, 2596])) == "chunk"
+
+
+# ---------------------------------------------------------------- offsets on a GPU: no host sync
+def test_offsets_on_cuda_are_checked_without_a_host_read():
+    """The CUDA branch never reads the offsets on the host (the stand-in raises HostRead on
+    .cpu(), .item(), .numpy(), .tolist(), __array__, bool(), int(), .to()): the shared
+    steps of every call pass for valid offsets, packed and batched."""
+    from parity.gpu.standins import posing_on_cuda
+
+    for lead in ((7,), (1, 7)):
+        x = {n: posing_on_cuda(torch.zeros(*lead, *s)) for n, s in
+             (("q", (H, K)), ("k", (HK, K)), ("v", (HK, V)), ("g", (H, K)))}
+        plan = dispatch.prepare(x, softmax_scale=None, reverse=False, platform="triton",
+                                mode="auto", platforms=("auto", "triton", "torch"),
+                                fallback="torch", gpu=True,
+                                cu_seqlens=posing_on_cuda(torch.tensor([0, 3, 7]))).plan
+        assert (plan.N, plan.T, plan.varlen, plan.packed) == (2, 7, True, len(lead) == 1)
+
+
+@pytest.mark.parametrize("cu,fragment", [
+    ([1, 3, 7], "cu_seqlens: expected to start at 0"),
+    ([0, 5, 3, 7], "cu_seqlens: expected non-decreasing values"),
+    ([0, 3, 6], "cu_seqlens: expected to end at the token count 7"),
+])
+def test_bad_offsets_on_cuda_fail_on_the_device(cu, fragment):
+    """Bad values are caught by device-side asserts (on the stand-in's CPU storage they
+    raise at once, with the host check's wording), still without a host read."""
+    from parity.gpu.standins import posing_on_cuda
+
+    x = {n: posing_on_cuda(torch.zeros(7, *s)) for n, s in (("q", (H, K)), ("k", (HK, K)),
+                                                              ("v", (HK, V)))}
+    with pytest.raises(RuntimeError, match="^" + fragment):
+        contract.check(**x, cu_seqlens=posing_on_cuda(torch.tensor(cu)))
+
+
+def test_host_checks_opt_in_reads_cuda_offsets_on_the_host():
+    from parity.gpu.standins import HostRead, posing_on_cuda
+
+    cu = posing_on_cuda(torch.tensor([0, 3, 7]))
+    with contract.host_checks(), pytest.raises(HostRead):
+        contract.check_offsets(cu, 7)
+    assert contract.check_offsets(cu, 7) == 2  # the switch is off again
+    env = dict(__import__("os").environ, GLA_BRIDGE_HOST_CHECKS="1")
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "from bridge import contract; "
+                          "print(contract._HOST_CHECKS[0])"], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "True"
+
+
+def test_concrete_jax_offsets_on_a_gpu_are_not_read():
+    """A concrete JAX array on a GPU goes unchecked by value, as a traced one does (JAX has
+    no asynchronous assert); host_checks reads it."""
+    from parity.gpu.standins import JaxOnGpu
+
+    bad = JaxOnGpu(np.array([0, 9, 7]))
+    assert contract.check(f32(7, H, K), f32(7, HK, K), f32(7, HK, V), cu_seqlens=bad).N == 2
+    assert contract.known_values(bad) is None and bad.reads == []
+    with contract.host_checks():
+        contract.check_offsets(bad, 7)
+    assert bad.reads == ["__array__"]

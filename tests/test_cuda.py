@@ -1,13 +1,16 @@
-"""The compiled kernels on a CUDA GPU (the GPU owner's suite: README, "On a GPU").
+"""The compiled kernels on a CUDA GPU (the GPU kit's correctness step: README, "On a GPU").
 
 Every test here launches the kernels compiled for the device, from PyTorch and
 from JAX (jax-triton), and compares them with the float64 oracle (run on the
-host), with each other, and across the two kernel families. Without a CUDA
-device they are skipped: the rest of the suite runs the same kernel source in
-Triton's interpreter.
+host), with each other, across the two kernel families, with eager torch (the
+layers under torch.compile), or with torch's own host-sync detector. Without a
+CUDA device they are skipped: the rest of the suite runs the same kernel source
+in Triton's interpreter.
 """
 
 import importlib.util
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -39,6 +42,73 @@ def test_compiled_not_interpreted():
     assert not bridge.kernels.INTERPRETED
 
 
+# the slowest first: pytest-xdist hands tests out in file order
+# ---------------------------------------------------------------- torch.compile on CUDA
+@pytest.mark.parametrize("layer,mode", [("GatedLinearAttention", "chunk"),
+                                        ("LightningAttention", "fused_recurrent")])
+def test_compile_fullgraph_layer_on_cuda(layer, mode):
+    """torch.compile(fullgraph=True) with Inductor of a layer on CUDA: the op becomes the
+    triton_op, whose kernel launches appear in Inductor's generated code; forward,
+    final state and every gradient equal eager's."""
+    from torch._inductor.utils import run_and_get_code
+
+    from bridge import contract
+    from bridge.kernels import family
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = getattr(torch_side, layer)(hidden_size=256, num_heads=4, platform="triton",
+                                   mode=mode).cuda()
+    x = torch.randn(2, 100, 256, device="cuda")
+    s0 = torch.randn(*m.config.state_shape(2), device="cuda")
+    w = torch.linspace(-1, 1, 256, device="cuda")
+
+    def step(x, s):
+        return m(x, state=s, use_cache=True)
+
+    def fwd_bwd(fn):
+        m.zero_grad()
+        s = s0.clone().requires_grad_()
+        o, sf = fn(x, s)
+        ((o * w).sum() + sf.square().sum()).backward()
+        return [o, sf, s.grad] + [p.grad for p in m.parameters()]
+
+    got, code = run_and_get_code(fwd_bwd, torch.compile(step, fullgraph=True))
+    want = fwd_bwd(step)
+    for i, (a, b) in enumerate(zip(got, want)):  # fp32; the kernels' dots may round to tf32
+        assert rel_err(a.detach().cpu().numpy(), b.detach().cpu().numpy()) < 1e-3, i
+    c = m.config
+    q = torch.empty(2, 100, c.num_heads, c.head_k_dim)
+    v = torch.empty(2, 100, c.num_heads, c.head_v_dim)
+    gates = dict(g=q) if layer == "GatedLinearAttention" else dict(g_gamma=torch.empty(4))
+    plan = contract.check(q, q, v, initial_state=s0.cpu(), **gates)
+    names = {getattr(lc.kernel, "__name__", None) or lc.kernel.fn.__name__
+             for lc in family(mode).forward_launches(plan)}
+    assert any(n in text for n in names for text in code), (names, len(code))
+    torch._dynamo.reset()
+
+
+def test_reference_shape_chunk_against_fused():
+    """(8, 4096, 16, 128, 128) bf16, forward and backward: the chunked kernels
+    against the fused recurrent ones (two independent algorithms)."""
+    B, T, H, K, V = 8, 4096, 16, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda *s: torch.randn(*s, device="cuda", generator=gen).bfloat16()  # noqa: E731
+    q, k, v, do = mk(B, T, H, K), mk(B, T, H, K), mk(B, T, H, V), mk(B, T, H, V)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device="cuda", generator=gen)
+                                       ).bfloat16() / 16
+    out = {}
+    for mode in ("chunk", "fused_recurrent"):
+        leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g)]
+        o, s = torch_side.recurrent_gla(*leaves, platform="triton", mode=mode)
+        grads = torch.autograd.grad((o.float() * do.float()).sum() + s.sum(), leaves)
+        out[mode] = [o, s, *grads]
+    for name, a, b in zip(("o", "final_state", "dq", "dk", "dv", "dg"), out["chunk"],
+                          out["fused_recurrent"]):
+        assert torch.isfinite(a).all(), name
+        assert rel_err(a.detach().float().cpu().numpy(), b.detach().float().cpu().numpy()) < 3e-2, name
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -67,27 +137,6 @@ def test_jax_launch_matches_torch_launch(case, mode):
     assert max(same.values()) <= 1e-6, same
 
 
-def test_reference_shape_chunk_against_fused():
-    """(8, 4096, 16, 128, 128) bf16, forward and backward: the chunked kernels
-    against the fused recurrent ones (two independent algorithms)."""
-    B, T, H, K, V = 8, 4096, 16, 128, 128
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    mk = lambda *s: torch.randn(*s, device="cuda", generator=gen).bfloat16()  # noqa: E731
-    q, k, v, do = mk(B, T, H, K), mk(B, T, H, K), mk(B, T, H, V), mk(B, T, H, V)
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device="cuda", generator=gen)
-                                       ).bfloat16() / 16
-    out = {}
-    for mode in ("chunk", "fused_recurrent"):
-        leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g)]
-        o, s = torch_side.recurrent_gla(*leaves, platform="triton", mode=mode)
-        grads = torch.autograd.grad((o.float() * do.float()).sum() + s.sum(), leaves)
-        out[mode] = [o, s, *grads]
-    for name, a, b in zip(("o", "final_state", "dq", "dk", "dv", "dg"), out["chunk"],
-                          out["fused_recurrent"]):
-        assert torch.isfinite(a).all(), name
-        assert rel_err(a.detach().float().cpu().numpy(), b.detach().float().cpu().numpy()) < 3e-2, name
-
-
 def test_slot_table_on_device_with_traced_lengths():
     """cu_seqlens read only on the device: many sequences of random lengths (some
     empty), one launch list, against the oracle."""
@@ -99,3 +148,74 @@ def test_slot_table_on_device_with_traced_lengths():
     got = backends.TorchBackend("triton", "chunk").run(case, arrays, "float32")
     errs = errors(got, ORACLE.run(case, arrays, "float32"))
     assert max(errs.values()) <= tolerance("float32"), errs
+
+
+# ---------------------------------------------------------------- JAX arrays on the CPU
+@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
+def test_jax_arrays_committed_to_the_cpu_reach_the_compiled_kernels(mode, monkeypatch):
+    """JAX inputs committed to the CPU on a GPU machine: the jitted call runs on the CPU
+    backend, whose host callback moves them to CUDA for the compiled kernels (on CPU
+    tensors they would refuse to run: the interpreter is off), values and gradients
+    against the oracle."""
+    import jax
+
+    cpu, real = jax.devices("cpu")[0], jax.devices
+    # JaxBackend puts its inputs on jax.devices()[0]: here, the CPU
+    monkeypatch.setattr(jax, "devices", lambda *a, **k: real(*a, **k) if a or k else [cpu])
+    case = CASES[0]
+    arrays = backends.prepared(case, "float32")
+    got = backends.JaxBackend("triton", mode).run(case, arrays, "float32")
+    errs = errors(got, ORACLE.run(case, arrays, "float32"), case.gate_grad_floor)
+    assert max(errs.values()) <= tolerance("float32"), errs
+
+
+# ---------------------------------------------------------------- varlen: no host sync
+def _packed_leaves(seqlens, H=2, K=64, V=64, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    total = sum(seqlens)
+    mk = lambda *s: torch.randn(*s, device="cuda", generator=gen).bfloat16()  # noqa: E731
+    g = (torch.nn.functional.logsigmoid(torch.randn(total, H, K, device="cuda", generator=gen))
+         / 16).bfloat16()
+    leaves = [x.requires_grad_() for x in (mk(total, H, K), mk(total, H, K), mk(total, H, V), g)]
+    cu = torch.tensor(np.cumsum((0,) + tuple(seqlens)), dtype=torch.int32, device="cuda")
+    return leaves, mk(total, H, V), cu
+
+
+@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
+def test_varlen_call_makes_no_host_sync(mode):
+    """Offsets on the device: a warmed forward and backward with cu_seqlens never wait for
+    the GPU (torch.cuda.set_sync_debug_mode("error") raises on any synchronizing call)."""
+    leaves, do, cu = _packed_leaves((5, 0, 130, 64))
+
+    def call():
+        o, s = torch_side.recurrent_gla(*leaves, cu_seqlens=cu, platform="triton", mode=mode)
+        return torch.autograd.grad((o, s), leaves, (do, torch.ones_like(s)))
+
+    want = call()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = call()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for a, b in zip(got, want):  # the same call (bf16; atomics may reorder sums)
+        assert rel_err(a.float().cpu().numpy(), b.float().cpu().numpy()) < 1e-2
+
+
+def test_bad_offsets_on_cuda_fail_at_the_next_sync():
+    """Offsets that do not end at the token count, on the device: the contract's
+    device-side check fails the process's next synchronizing call (a device-side assert
+    poisons the CUDA context, hence a process of its own)."""
+    script = (
+        "import torch, torch_side\n"
+        "q = torch.randn(1, 20, 2, 16, device='cuda')\n"
+        "cu = torch.tensor([0, 5, 21], device='cuda')\n"
+        "try:\n"
+        "    torch_side.recurrent_gla(q, q, q, cu_seqlens=cu, platform='triton',\n"
+        "                             mode='fused_recurrent')\n"
+        "    torch.cuda.synchronize()\n"
+        "except RuntimeError as e:\n"
+        "    print('FAILED AT SYNC:', 'device-side assert' in str(e))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert "FAILED AT SYNC: True" in out.stdout, out.stdout + out.stderr[-2000:]

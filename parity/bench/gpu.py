@@ -1,17 +1,28 @@
-"""The GPU section: Triton chunked / fused recurrent kernels launched from torch and
-from JAX against flash-linear-attention's chunk_gla / fused_recurrent_gla, bf16.
+"""How the GPU kit (`python -m parity.gpu`) times and sizes things on one device.
 
-Without a CUDA device the section says so and measures nothing. On a GPU it
-measures the device's ceilings in the same run (a big bf16 matmul, a big copy)
-and reports time, TFLOP/s (flops.flops) and GB/s against them.
+- `bench(fn)`: milliseconds per call, the median of `triton.testing.do_bench` on CUDA
+  (CUDA events, L2 flushed before every call); on the CPU (the kit's dry run) the median
+  of a few host-clock calls, a stand-in.
+- `rotating(make, set_bytes, l2_bytes)`: input sets cycled call by call, enough of them
+  that consecutive calls never share inputs in the L2 cache.
+- `peak_bytes(fn)`: device memory a call adds at its peak (torch's allocator).
+- `ceilings()`: the machine's bf16 matmul rate and copy bandwidth, measured the same way.
+- `launch_times(...)`: per launch of one Triton family, time beside its lower bound.
+
+`section()` is `python -m parity.bench --gpu`: the kit's GPU section as markdown.
 """
 
+import importlib.metadata
+import math
+import platform
+import statistics
 import time
 
 from . import flops as flopsmod
 
 BIG_SHAPE = (8, 4096, 16, 128, 128)  # B, T, H, K, V
-SWEEP_T = (512, 1024, 2048, 4096, 8192)
+PACKAGES = ("torch", "triton", "jax", "jaxlib", "jax-triton", "fla-core",
+            "flash-linear-attention", "numpy")
 
 
 def unavailable():
@@ -25,6 +36,17 @@ def unavailable():
     return None
 
 
+def versions() -> dict:
+    """{package: version or 'absent'} of everything the kit's figures depend on."""
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
 def bytes_moved(B, T, H, K, V, mode, itemsize=2) -> int:
     """Minimum HBM traffic: every input and output tensor once. fwd reads q,k,g
     [..,K] and v, writes o [..,V]; the backward reads q,k,g,v,do and writes
@@ -33,117 +55,98 @@ def bytes_moved(B, T, H, K, V, mode, itemsize=2) -> int:
     return B * T * H * per_token * itemsize
 
 
-def _cuda_time(fn, repeats=10):
-    import torch
+def bench(fn, device="cuda", warmup_ms=25, rep_ms=100, host_calls=3) -> float:
+    """Median milliseconds per call of fn(). CUDA: triton.testing.do_bench (the first
+    call, which compiles, is not timed). CPU (the kit's dry run, interpreted kernels that
+    compile nothing): the median of `host_calls` host-clock calls."""
+    if device == "cuda":
+        from triton.testing import do_bench
 
-    fn()
-    torch.cuda.synchronize()
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
     times = []
-    for _ in range(repeats):
+    for _ in range(host_calls):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
+    return statistics.median(times) * 1e3
 
 
-def _versions() -> str:
-    import datetime
-    import importlib.metadata
-    import platform
+def rotating(make, set_bytes, l2_bytes, most=8):
+    """A callable giving make(i) for i = 0, 1, 2, ... cycled over enough sets (at least 2,
+    at most `most`) that their bytes exceed 3x the L2 cache. The sets are made up front."""
+    n = max(2, min(most, math.ceil(3 * l2_bytes / max(set_bytes, 1))))
+    sets = [make(i) for i in range(n)]
+    state = [0]
 
+    def next_set():
+        state[0] = (state[0] + 1) % n
+        return sets[state[0]]
+    next_set.count = n
+    return next_set
+
+
+def peak_bytes(fn, device="cuda"):
+    """Bytes of device memory one call of fn() adds at its peak, outputs included (torch's
+    caching allocator: max_memory_allocated over the call, less what was allocated
+    before); None off CUDA."""
+    if device != "cuda":
+        return None
     import torch
 
-    names = ("torch", "triton", "jax", "jaxlib", "jax-triton", "fla-core")
-    found = []
-    for n in names:
-        try:
-            found.append(f"{n} {importlib.metadata.version(n)}")
-        except importlib.metadata.PackageNotFoundError:
-            found.append(f"{n} absent")
-    return (f"{datetime.date.today().isoformat()}; Python {platform.python_version()}, "
-            f"CUDA {torch.version.cuda}; " + ", ".join(found))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return int(peak)
 
 
-def _ceilings():
+def ceilings(device="cuda", matmul_n=8192, copy_bytes=2 ** 30, rep_ms=100):
+    """(TFLOP/s of an n^3 matmul in bf16, GB/s of a device-to-device copy counting bytes
+    read and written), both on random data, timed by `bench`. On the CPU (dry run) the
+    matmul is float32."""
     import torch
 
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    tf = 2 * n ** 3 / _cuda_time(lambda: a @ a) / 1e12
-    src = torch.empty(2 ** 30 // 2, device="cuda", dtype=torch.bfloat16)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(matmul_n, matmul_n, device=device, generator=gen).to(dtype)
+    b = torch.randn(matmul_n, matmul_n, device=device, generator=gen).to(dtype)
+    tf = 2 * matmul_n ** 3 / (bench(lambda: a @ b, device, rep_ms=rep_ms) * 1e-3) / 1e12
+    del a, b
+    src = torch.randn(copy_bytes // 2, device=device, generator=gen).to(torch.bfloat16)
     dst = torch.empty_like(src)
-    gb = 2 * 2 ** 30 / _cuda_time(lambda: dst.copy_(src)) / 1e9
+    gb = 2 * copy_bytes / (bench(lambda: dst.copy_(src), device, rep_ms=rep_ms) * 1e-3) / 1e9
     return tf, gb
 
 
-def _impls():
-    """name -> op(q,k,v,g) returning o, for torch tensors (JAX ones convert via DLPack)."""
-    import torch_side
-
-    out = {
-        "triton chunk (torch)": lambda q, k, v, g: torch_side.recurrent_gla(
-            q, k, v, g, platform="triton", mode="chunk")[0],
-        "triton fused_recurrent (torch)": lambda q, k, v, g: torch_side.recurrent_gla(
-            q, k, v, g, platform="triton", mode="fused_recurrent")[0],
-    }
-    try:
-        from fla.ops.gla import chunk_gla, fused_recurrent_gla
-
-        out["fla chunk_gla"] = lambda q, k, v, g: chunk_gla(q, k, v, g)[0]
-        out["fla fused_recurrent_gla"] = lambda q, k, v, g: fused_recurrent_gla(q, k, v, g)[0]
-    except Exception as e:  # reported below as a missing anchor
-        out["fla"] = e
-    return out
-
-
-def _torch_fns(op, a):
+def gla_inputs(size, device="cuda", dtype=None, seed=0):
+    """(q, k, v, g, do) at size (B,T,H,K,V): normal activations, GLA's key gate
+    logsigmoid(x) / 16 (its default gate normalizer), bf16 on CUDA, float32 on CPU."""
     import torch
 
-    def fwd():
-        with torch.no_grad():
-            return op(*a[:4])
-
-    def fwdbwd():
-        leaves = [x.detach().requires_grad_(True) for x in a[:4]]
-        return torch.autograd.grad(op(*leaves), leaves, grad_outputs=a[4])
-    return fwd, fwdbwd
-
-
-def _jax_fns(mode_name, a):
-    import jax
-    import jax.numpy as jnp
-
-    import jax_side
-
-    ins = [jax.dlpack.from_dlpack(x.detach()) for x in a]
-    op = lambda q, k, v, g: jax_side.recurrent_gla(  # noqa: E731
-        q, k, v, g, platform="triton", mode=mode_name)[0]
-    f = jax.jit(op)
-    df = jax.jit(jax.grad(lambda q, k, v, g, do: jnp.sum(op(q, k, v, g).astype(jnp.float32) * do),
-                          argnums=(0, 1, 2, 3)))
-    return (lambda: jax.block_until_ready(f(*ins[:4])),
-            lambda: jax.block_until_ready(df(*ins)))
+    B, T, H, K, V = size
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
+    g = torch.nn.functional.logsigmoid(mk(B, T, H, K)) / 16
+    return (mk(B, T, H, K).to(dtype), mk(B, T, H, K).to(dtype), mk(B, T, H, V).to(dtype),
+            g.to(dtype), mk(B, T, H, V).to(dtype))
 
 
-def launch_times(mode, size, tf_peak, gb_peak, repeats=10, device="cuda"):
-    """Per launch of one Triton family at `size` (bf16, key gate g, both cotangents):
-    rows (stage, kernel, grid, ms, lower-bound ms) where the bound is
-    max(dot FLOPs / tf_peak, HBM bytes / gb_peak) from the launch's own cost model.
-    The launches run one at a time over one env, as the torch launcher runs them."""
+def launch_times(mode, size, tf_peak, gb_peak, device="cuda", rep_ms=50):
+    """Per launch of one Triton family at `size` (key gate g, both cotangents): rows
+    {stage, kernel, grid, ms, bound_ms} where the bound is max(dot FLOPs / tf_peak, HBM
+    bytes / gb_peak) from the launch's own cost model. The launches run one at a time
+    over one env, as the torch launcher runs them."""
     import torch
 
     from bridge import contract
     from bridge.kernels import family
     from bridge.torch_runner import run
 
-    B, T, H, K, V = size
-    gen = torch.Generator(device=device).manual_seed(0)
-    mk = lambda *s: torch.randn(*s, device=device, generator=gen).bfloat16()  # noqa: E731
-    q, k, v = mk(B, T, H, K), mk(B, T, H, K), mk(B, T, H, V)
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device=device, generator=gen)
-                                       ).bfloat16()
+    q, k, v, g, do = gla_inputs(size, device)
     plan = contract.check(q, k, v, g=g)
     env = dict(q=q, k=k, v=v, g=g, gk=None, gv=None, g_gamma=None, initial_state=None,
                cu_seqlens=None)
@@ -152,83 +155,38 @@ def launch_times(mode, size, tf_peak, gb_peak, repeats=10, device="cuda"):
     for stage, launches in (("fwd", fam.forward_launches(plan)),
                             ("bwd", fam.backward_launches(plan, use_dht=True))):
         if stage == "bwd":
-            env.update(do=mk(B, T, H, V), dfinal_state=torch.randn_like(env["final_state"]))
+            env.update(do=do, dfinal_state=torch.randn_like(env["final_state"]))
         for launch in launches:
-            def once():
+            def once(launch=launch):
                 run([launch], env, autotune=False)
-            t = _cuda_time(once, repeats) if device == "cuda" else (once() or 0.0)
-            bound = max(launch.dot_flops / (tf_peak * 1e12), launch.bytes / (gb_peak * 1e9))
-            name = getattr(launch.kernel, "__name__", None) or launch.kernel.fn.__name__
-            rows.append((stage, name, launch.grid, t * 1e3, bound * 1e3))
+            ms = bench(once, device, rep_ms=rep_ms, host_calls=1)
+            bound = max(getattr(launch, "dot_flops", 0) / (tf_peak * 1e12),
+                        getattr(launch, "bytes", 0) / (gb_peak * 1e9))
+            kernel = launch.kernel
+            name = getattr(kernel, "__name__", None) or getattr(kernel, "fn", kernel).__name__
+            rows.append({"stage": stage, "kernel": name, "grid": list(launch.grid), "ms": ms,
+                         "bound_ms": bound * 1e3})
     return rows
 
 
-def section(quick=False, log=print, Ts=None) -> str:
-    """Markdown for the GPU section (a one-line reason when there is no GPU);
-    `Ts` replaces the sweep's sequence lengths."""
+def rates(size, mode, ms):
+    """(TFLOP/s by flops.flops, GB/s by bytes_moved) of one call of `ms` milliseconds."""
+    B, T, H, K, V = size
+    s = ms * 1e-3
+    return (flopsmod.flops(B, T, H, K, V, mode) / s / 1e12,
+            bytes_moved(B, T, H, K, V, mode) / s / 1e9)
+
+
+def section(quick=False, log=print) -> str:
+    """Markdown for the GPU section (`python -m parity.bench --gpu`): the kit run here
+    without touching BENCHMARKS.md; a one-line reason when there is no GPU."""
     why = unavailable()
     if why:
         return f"not measured: no GPU lent ({why})."
-    import torch
+    import tempfile
 
-    tf_peak, gb_peak = _ceilings()
-    lines = [f"Device: {torch.cuda.get_device_name()}; {_versions()}.", "",
-             f"Measured ceilings: bf16 matmul "
-             f"{tf_peak:.0f} TFLOP/s (8192^2), copy {gb_peak:.0f} GB/s (1 GiB).", "",
-             "| (B,T,H,K,V) | mode | implementation | ms | TFLOP/s (% peak) | GB/s (% copy) |",
-             "|---|---|---|---|---|---|"]
-    B, T0, H, K, V = BIG_SHAPE
-    Ts = Ts or ((256,) if quick else sorted(set(SWEEP_T) | {T0}))
-    sizes = [(B, T, H, K, V) for T in Ts]
-    impls = _impls()
-    for size in sizes:
-        B, T, H, K, V = size
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        mk = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
-        a = [mk(B, T, H, K).bfloat16(), mk(B, T, H, K).bfloat16(), mk(B, T, H, V).bfloat16(),
-             (-torch.rand(B, T, H, K, device="cuda", generator=gen) * 0.5).bfloat16(),
-             mk(B, T, H, V).bfloat16()]
-        runs = {}
-        for name, op in impls.items():
-            runs[name] = op if isinstance(op, Exception) else _torch_fns(op, a)
-        for mode_name in ("chunk", "fused_recurrent"):
-            try:
-                runs[f"triton {mode_name} (jax)"] = _jax_fns(mode_name, a)
-            except Exception as e:
-                runs[f"triton {mode_name} (jax)"] = e
-        for mi, mode in enumerate(("fwd", "fwdbwd")):
-            fl = flopsmod.flops(B, T, H, K, V, mode)
-            by = bytes_moved(B, T, H, K, V, mode)
-            for name, fns in runs.items():
-                if isinstance(fns, Exception):
-                    lines.append(f"| {size} | {mode} | {name} | error: {type(fns).__name__}: "
-                                 f"{str(fns).splitlines()[0][:120] if str(fns) else ''} | - | - |")
-                    continue
-                try:
-                    t = _cuda_time(fns[mi], repeats=3 if quick else 10)
-                except Exception as e:
-                    msg = (str(e).splitlines() or [""])[0][:160].replace("|", "/")
-                    lines.append(f"| {size} | {mode} | {name} | error: {type(e).__name__}: {msg} | - | - |")
-                    log(lines[-1])
-                    continue
-                tf, gb = fl / t / 1e12, by / t / 1e9
-                lines.append(f"| {size} | {mode} | {name} | {t * 1e3:.2f} | "
-                             f"{tf:.1f} ({100 * tf / tf_peak:.0f}%) | {gb:.0f} ({100 * gb / gb_peak:.0f}%) |")
-                log(lines[-1])
-    B, T, H, K, V = BIG_SHAPE
-    lines += ["", f"Per launch at {BIG_SHAPE} bf16 (`launch_times`; bound: max(dot FLOPs / "
-                  "measured matmul rate, HBM bytes / measured copy rate)):", "",
-              "| family | stage | kernel | grid | ms | bound ms |", "|---|---|---|---|---|---|"]
-    for mode in ("chunk", "fused_recurrent"):
-        try:
-            rows = launch_times(mode, (B, 256 if quick else T, H, K, V), tf_peak, gb_peak,
-                                repeats=3 if quick else 10)
-        except Exception as e:
-            lines.append(f"| {mode} | - | error: {type(e).__name__}: {str(e)[:120]} | - | - | - |")
-            continue
-        for stage, name, grid, ms, bound in rows:
-            lines.append(f"| {mode} | {stage} | {name} | {grid} | {ms:.3f} | {bound:.3f} |")
-            log(lines[-1])
-    lines += ["", "Targets (GPU): triton chunk >= 1.0x fla chunk_gla on fwd+bwd; the JAX launch "
-              "within 5% of the torch launch (compare the rows above)."]
-    return "\n".join(lines)
+    from parity.gpu import __main__ as kit, render
+
+    with tempfile.TemporaryDirectory() as out:
+        result = kit.run_kit(out=out, quick=quick, md=None, results_json=None, log=log)
+    return render.markdown(result)
