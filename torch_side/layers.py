@@ -161,9 +161,21 @@ class LightningAttention(_Layer):
         # torch.compile traces a constant instead of NumPy code
         self._gamma = variants.lightning_g_gamma(c.num_heads, c.layer_idx,
                                                  c.num_layers).tolist()
+        self._gamma_cache = {}
+
+    def _gamma_on(self, device):
+        """The decay as a float32 [H] tensor on `device`, made once per device: building it
+        per call is a blocking host-to-device copy on CUDA."""
+        if torch.compiler.is_compiling():  # a traced constant
+            return torch.tensor(self._gamma, dtype=torch.float32, device=device)
+        cached = self._gamma_cache.get(device)
+        if cached is None:
+            cached = self._gamma_cache[device] = torch.tensor(self._gamma, dtype=torch.float32,
+                                                              device=device)
+        return cached
 
     def _recurrence(self, q, k, v, gk, mask, cu_seqlens, state):
-        gamma = torch.tensor(self._gamma, dtype=torch.float32, device=q.device)
+        gamma = self._gamma_on(q.device)
         if mask is None:  # = ops.lightning_attn
             return ops.recurrent(q, k, v, g_gamma=gamma, initial_state=state,
                                  cu_seqlens=cu_seqlens, mode=self.mode, platform=self.platform,
