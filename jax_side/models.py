@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from bridge import checkpoint
-from bridge.model_config import GLAConfig, init_rule, model_param_shapes
+from bridge.model_config import GLAConfig, init_rule
 from .layers import _linear, _rms_norm, gla_apply
 
 MODEL_AXIS = "model"
