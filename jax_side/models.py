@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from bridge import checkpoint
-from bridge.model_config import GLAConfig, init_rule
+from bridge.model_config import GLAConfig, check_prompt_offsets, generate_options, init_rule
 from .layers import _linear, _rms_norm, gla_apply
 
 MODEL_AXIS = "model"
@@ -331,18 +331,7 @@ class GLAForCausalLM(nnx.Module):
         number of eos ids, greedy or sampling); temperature and the ids are traced."""
         cfg = self.config
         V = cfg.vocab_size
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or \
-                max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
-        if not isinstance(temperature, (int, float)) or not temperature >= 0:
-            raise ValueError(f"temperature: expected a number >= 0, got {temperature!r}")
-        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-            raise ValueError(f"top_k: expected None or an int >= 1, got {top_k!r}")
-        eos = () if eos_token_id is None else (eos_token_id,) if isinstance(
-            eos_token_id, int) else tuple(eos_token_id)
-        if not all(isinstance(e, int) and 0 <= e < V for e in eos):
-            raise ValueError(f"eos_token_id: expected token ids in [0, {V}), "
-                             f"got {eos_token_id!r}")
+        eos = generate_options(cfg, max_new_tokens, temperature, top_k, eos_token_id)
         _check_ids(input_ids, V)
         ids = jnp.asarray(input_ids)
         if cu_seqlens is not None:
@@ -350,11 +339,7 @@ class GLAForCausalLM(nnx.Module):
                 raise ValueError("attention_mask: give either attention_mask or cu_seqlens, "
                                  "not both")
             cu = np.asarray(cu_seqlens)
-            if ids.shape[0] != 1 or cu.ndim != 1 or len(cu) < 2 or cu[0] != 0 or \
-                    cu[-1] != ids.shape[1] or (np.diff(cu) <= 0).any():
-                raise ValueError(f"cu_seqlens: expected increasing offsets from 0 to the "
-                                 f"token count {ids.shape[1]} of input_ids [1, total] "
-                                 f"(every prompt non-empty), got {cu.tolist()}")
+            check_prompt_offsets(cu, ids.shape[0], ids.shape[1])
             N = len(cu) - 1
             cu_seqlens = jnp.asarray(cu, jnp.int32)
         else:

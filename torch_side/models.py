@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from bridge import checkpoint
-from bridge.model_config import GLAConfig, init_rule, model_param_shapes
+from bridge.model_config import (GLAConfig, check_prompt_offsets, generate_options, init_rule,
+                                 model_param_shapes)
 from .layers import GatedLinearAttention, RMSNorm
 
 
@@ -233,28 +234,13 @@ class GLAForCausalLM(nn.Module):
         torch.Generator) or a fresh one seeded with `seed`. eos_token_id (an id or a list):
         a sequence that emits one is done; its later tokens are config.pad_token_id, or
         the eos id it emitted when there is none."""
-        V = self.config.vocab_size
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or \
-                max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
-        if not isinstance(temperature, (int, float)) or not temperature >= 0:
-            raise ValueError(f"temperature: expected a number >= 0, got {temperature!r}")
-        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-            raise ValueError(f"top_k: expected None or an int >= 1, got {top_k!r}")
-        eos = [] if eos_token_id is None else [eos_token_id] if isinstance(
-            eos_token_id, int) else list(eos_token_id)
-        if not all(isinstance(e, int) and 0 <= e < V for e in eos):
-            raise ValueError(f"eos_token_id: expected token ids in [0, {V}), "
-                             f"got {eos_token_id!r}")
+        eos = list(generate_options(self.config, max_new_tokens, temperature, top_k,
+                                    eos_token_id))
         h = self.model.embed(input_ids)  # checks input_ids
         device = input_ids.device
         if cu_seqlens is not None:
             cu = torch.as_tensor(cu_seqlens).to(device=device, dtype=torch.long)
-            if input_ids.shape[0] != 1 or cu.dim() != 1 or len(cu) < 2 or int(cu[0]) != 0 \
-                    or int(cu[-1]) != input_ids.shape[1] or bool((cu[1:] <= cu[:-1]).any()):
-                raise ValueError(f"cu_seqlens: expected increasing offsets from 0 to the "
-                                 f"token count {input_ids.shape[1]} of input_ids [1, total] "
-                                 f"(every prompt non-empty), got {cu.tolist()}")
+            check_prompt_offsets(cu.cpu().numpy(), input_ids.shape[0], input_ids.shape[1])
             last = cu[1:] - 1
         elif attention_mask is not None:
             if tuple(attention_mask.shape) != tuple(input_ids.shape) or \
