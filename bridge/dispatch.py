@@ -60,9 +60,10 @@ def unbatched(plan: Plan, o):
 def route(platform, mode, platforms, fallback: str, gpu: bool, tpu: bool = False) -> str:
     """Validate `platform` and `mode` and resolve "auto": the Triton kernels on a
     GPU (or when mode="fused_recurrent" asks for them), Pallas on a TPU, else
-    `fallback`, the framework's own chunked path ("torch" or "xla")."""
+    `fallback`, the framework's own chunked path ("torch" or "xla"). ejkernel's
+    platform names outside `platforms` go through `foreign_platform`."""
     if platform not in platforms:
-        raise ValueError(f"platform: expected one of {platforms}, got {platform!r}")
+        platform = foreign_platform(platform, platforms, fallback, gpu)
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     if platform == "auto":
@@ -72,6 +73,35 @@ def route(platform, mode, platforms, fallback: str, gpu: bool, tpu: bool = False
         raise ValueError(f"mode: 'fused_recurrent' is a Triton kernel; platform='{platform}' "
                          f"computes the chunked form (use mode='auto' or 'chunk')")
     return platform
+
+
+# ejkernel's platform values (SPEC.md, "Named variants") that name no platform of ours
+# in this framework, with what to use instead ("cuda" is mapped, see foreign_platform)
+FOREIGN = {
+    "tilelang": "ejkernel's TileLang kernels have no counterpart here: the GPU kernels "
+                "are Triton ('triton', or 'cuda' for them on a CUDA GPU)",
+    "cute": "ejkernel's CuTe kernels have no counterpart here: the GPU kernels are Triton "
+            "('triton', or 'cuda' for them on a CUDA GPU)",
+    "pallas": "Pallas kernels are the JAX side's (jax_side); PyTorch runs 'triton' or 'torch'",
+    "xla": "'xla' is the JAX side's chunked path in framework ops; in PyTorch it is 'torch'",
+    "torch": "'torch' is the PyTorch side's chunked path in framework ops; in JAX it is 'xla'",
+}
+
+
+def foreign_platform(platform, platforms, fallback: str, gpu: bool) -> str:
+    """ejkernel's name "cuda" (its hand-written GPU kernels) means our Triton kernels
+    compiled for the GPU, when the call has one; every other value outside `platforms`
+    is a ValueError, which says what to use where the value is one of ejkernel's."""
+    if platform == "cuda" and "triton" in platforms:
+        if gpu:
+            return "triton"
+        where = ("q is not a CUDA tensor" if fallback == "torch"
+                 else "JAX's default backend is not a GPU")
+        raise ValueError(f"platform: 'cuda' means the Triton kernels compiled for a CUDA GPU, "
+                         f"and {where}; use 'triton' (Triton's interpreter on CPU) or 'auto'")
+    hint = FOREIGN.get(platform) if isinstance(platform, str) else None
+    raise ValueError(f"platform: expected one of {platforms}, got {platform!r}"
+                     + (f" ({hint})" if hint else ""))
 
 
 # mode="auto" with the Triton kernels: a cost rule over the two things that set

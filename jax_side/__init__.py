@@ -2,6 +2,7 @@
 
 from .layers import gla_apply, init_gla, init_lightning, lightning_apply
 from .ops import gla_attention, lightning_attn, recurrent, recurrent_gla
+from . import easydel  # EasyDeL's call: jax_side.easydel.recurrent_gla
 
 __all__ = ["recurrent", "recurrent_gla", "lightning_attn", "gla_attention",
            "init_gla", "gla_apply", "init_lightning", "lightning_apply"]

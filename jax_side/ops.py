@@ -3,7 +3,10 @@
 `platform`: "triton" (the `bridge` kernels: jax-triton on CUDA, Triton's
 interpreter through a host callback on CPU), "xla" (the chunked algorithm in
 jax.numpy / lax), "pallas" (chunked Pallas kernels for TPU; interpret mode on any
-other machine) or "auto" (Triton on GPU, Pallas on TPU, XLA elsewhere). `mode` picks the Triton kernel family, as on the PyTorch side.
+other machine) or "auto" (Triton on GPU, Pallas on TPU, XLA elsewhere); ejkernel's
+"cuda" means "triton" on a GPU backend (a ValueError elsewhere), its "tilelang" and
+"cute" are ValueErrors. `mode` picks the Triton kernel family, as on the PyTorch side.
+`query`, `key`, `value` are accepted for q, k, v (ejkernel's names).
 `context_axis`: a mesh axis name; inside jax.shard_map with the time axis split
 over it, the call runs context-parallel (jax_side.context). With more than one
 device, a call outside shard_map goes through jax_side.sharding's batch/head
@@ -27,9 +30,12 @@ from . import sharding
 PLATFORMS = ("auto", "triton", "xla", "pallas")
 
 
-def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
-              initial_state=None, reverse=False, cu_seqlens=None, *, platform="auto",
-              mode="auto", context_axis=None):
+def recurrent(q=None, k=None, v=None, g=None, g_gamma=None, gk=None, gv=None,
+              softmax_scale=None, initial_state=None, reverse=False, cu_seqlens=None,
+              block_k=None, block_v=None, num_warps=None, num_stages=None, *,
+              platform="auto", mode="auto", context_axis=None, query=None, key=None,
+              value=None):
+    q, k, v = variants.take_aliases(q, k, v, query, key, value)
     cu_global = cu_seqlens
     if context_axis is not None:  # the time axis is split over a mesh axis
         from . import context

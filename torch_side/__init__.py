@@ -2,6 +2,7 @@
 
 from .layers import GatedLinearAttention, LightningAttention
 from .ops import gla_attention, lightning_attn, recurrent, recurrent_gla
+from . import easydel  # EasyDeL's call: torch_side.easydel.recurrent_gla
 
 __all__ = ["recurrent", "recurrent_gla", "lightning_attn", "gla_attention",
            "GatedLinearAttention", "LightningAttention"]

@@ -6,6 +6,9 @@ CUDA tensors, torch on CPU tensors, except that mode="fused_recurrent" on CPU
 means the interpreted Triton kernel). `mode`: "fused_recurrent", "chunk" or
 "auto" (Triton kernels only: the cheaper family by `dispatch.kernel_costs`, fused
 recurrent for short sequences and decoding; the torch platform is chunked).
+ejkernel's platform names: "cuda" means "triton" on CUDA tensors (a ValueError on
+others); "xla", "pallas", "tilelang", "cute" are ValueErrors that say what to use.
+`query`, `key`, `value` are accepted for q, k, v (ejkernel's names).
 
 Every call takes `bridge.dispatch`'s steps (check, route, batched layout), then runs one
 `gla_bridge::fwd` custom op (torch_side/custom_ops.py), which owns autograd, fake
@@ -29,9 +32,16 @@ from . import context, custom_ops, dtensor, triton_launch
 PLATFORMS = ("auto", "triton", "torch")
 
 
-def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
-              initial_state=None, reverse=False, cu_seqlens=None, *, platform="auto",
-              mode="auto", context_group=None):
+def recurrent(q=None, k=None, v=None, g=None, g_gamma=None, gk=None, gv=None,
+              softmax_scale=None, initial_state=None, reverse=False, cu_seqlens=None,
+              block_k=None, block_v=None, num_warps=None, num_stages=None, *,
+              platform="auto", mode="auto", context_group=None, query=None, key=None,
+              value=None):
+    # ejkernel's names, resolved only when one is used or q/k/v is missing: the eager
+    # decoding path pays a few comparisons, not a call
+    if q is None or k is None or v is None or query is not None or key is not None or \
+            value is not None:
+        q, k, v = variants.take_aliases(q, k, v, query, key, value)
     inputs = dict(q=q, k=k, v=v, g=g, gk=gk, gv=gv, g_gamma=g_gamma,
                   initial_state=initial_state)
     # eager, nothing to record: the op's body itself on the Plan checked below (the
