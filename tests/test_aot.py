@@ -482,3 +482,34 @@ def test_trip_counts_by_hand(tmp_path, monkeypatch):
     # an axis the kernel never reads is run once and weighted
     wide = tripcounts.trip_counts(skeleton_toy.helper, (7, 3), dict(n=5))
     assert (wide.evaluated, wide.per_program[key(9)]) == (1, 5 * 21)
+
+
+def test_targets_and_readiness_section(bf16_report):
+    """The report's issue-30 targets and BENCHMARKS.md's GPU-readiness rendering:
+    without fla the comparisons are "not measured"; given fla records (here our own
+    launches standing in for fla's) the dynamic targets compare the sums (1.00x,
+    met) and the bar.sync target the worst loop bodies."""
+    import copy
+
+    from parity.bench import readiness
+
+    rep, _ = bf16_report
+    ts = {t["name"]: t for t in rep["targets"]}
+    assert len(ts) == 5 and all(t["met"] is None for n, t in ts.items() if "fla" in n)
+    ctas = next(t for n, t in ts.items() if "CTAs" in n)
+    low = [r for r in rep["launches"] if r["target"] == "sm_90"
+           and not aot.sequential(r["kernel"]) and r["ctas_per_sm"] < 2]
+    assert ctas["met"] == (not low)
+    text = readiness.section({"gpu": [rep]})
+    assert "Instruction model" in text and "not measured" in text
+    twin = copy.deepcopy(rep)
+    twin["fla"] = dict(launches=[r for r in twin["launches"] if r["target"] == "sm_90"],
+                       dynamic={}, versions=dict(fla="0"))
+    got = {t["name"]: t for t in aot.targets(twin)}
+    dyn = [t for n, t in got.items() if "dynamic" in n]
+    assert len(dyn) == 2 and all(t["met"] and "(1.00x)" in t["figure"] for t in dyn)
+    bars = next(t for n, t in got.items() if "bar.sync" in n)
+    assert bars["met"] and str(max(aot.max_loop_bars(r) for r in twin["fla"]["launches"])) \
+        in bars["figure"]
+    assert aot.sequential("chunk_state_kernel") and aot.sequential("chunk_bwd_kernel_dh")
+    assert aot.sequential("chunk_fwd_kernel_h") and not aot.sequential("chunk_dqk_kernel")
