@@ -128,6 +128,9 @@ def _config_text(cfg) -> str:
     return f"{kw}{',' if kw else ''}w{cfg.num_warps}s{cfg.num_stages}"
 
 
+_TRIPS = {}
+
+
 def compile_config(entry, cfg, arch=90) -> dict:
     """One launch at one config: the record bridge.aot reports for ours."""
     from triton import knobs
@@ -159,7 +162,10 @@ def compile_config(entry, cfg, arch=90) -> dict:
     num_warps = k.metadata.num_warps
     params = {n: (None if v is None else v if isinstance(v, (bool, int, float, str)) else UNKNOWN)
               for n, v in bound.items()}
-    trips, why = aot.launch_trips(fn, grid, params)
+    memo = (fn.__name__, tuple(grid), repr(sorted(params.items(), key=lambda kv: kv[0])))
+    if memo not in _TRIPS:  # configs that differ in warps / stages only share trip counts
+        _TRIPS[memo] = aot.launch_trips(fn, grid, params)
+    trips, why = _TRIPS[memo]
     programs = grid[0] * grid[1] * grid[2]
     rec = dict(kernel=fn.__name__, phase=entry["phase"], target=f"sm_{arch}", grid=grid,
                programs=programs, num_warps=num_warps, num_stages=k.metadata.num_stages,
@@ -174,6 +180,8 @@ def report(shape, dtype="bf16", log=None) -> dict:
     warp-instructions), each with "configs": every config tried, "dynamic"
     {fwd, bwd}, "versions"}."""
     import triton
+
+    from . import aot
 
     launches = []
     entries = capture(shape, dtype)
@@ -195,7 +203,9 @@ def report(shape, dtype="bf16", log=None) -> dict:
         best = dict(min(built, key=lambda r: r["dynamic"]))
         best["configs"] = [dict(config=r["config"], dynamic=r.get("dynamic"),
                                 n_regs=r.get("n_regs"), n_spills=r.get("n_spills"),
-                                ctas_per_sm=r.get("ctas_per_sm"), error=r.get("error"))
+                                ctas_per_sm=r.get("ctas_per_sm"),
+                                max_loop_bars=aot.max_loop_bars(r) if "loops" in r else None,
+                                error=r.get("error"))
                            for r in tried]
         launches.append(best)
         if log:
