@@ -284,13 +284,14 @@ def lower_bound(rec: dict) -> tuple:
 
 def launch_params(launch) -> dict:
     """{parameter: value} of a launch for `bridge.tripcounts`: constexprs and
-    scalars as given, tensors UNKNOWN, absent tensors None."""
+    scalars as given, tensors UNKNOWN (absent ones too: the launchers pass a
+    real pointer for them)."""
     from .launch import Out
     from .tripcounts import UNKNOWN
 
     params = dict(launch.constexprs)
     for p, a in _arguments(launch):
-        params[p] = None if a is None else UNKNOWN if isinstance(a, (str, Out)) else a
+        params[p] = UNKNOWN if a is None or isinstance(a, (str, Out)) else a
     return params
 
 
@@ -304,13 +305,15 @@ def launch_trips(kernel, grid, params):
         return None, f"trip counts not derived: {type(e).__name__}: {e}"[:300]
 
 
-def sass_fields(compiled, trips, num_warps, arch, regs, shared, trips_error=None) -> dict:
+def sass_fields(compiled, trips, num_warps, arch, regs, shared, trips_error=None,
+                programs=1) -> dict:
     """The SASS columns of one compiled launch: CTAs per SM (and what limits
     them), static instructions, loops, dynamic warp-instruction estimate."""
     from . import sass
 
     occ = sass.occupancy(regs, shared, num_warps, arch)
-    a = sass.analyze(compiled.asm["cubin"], compiled.asm.get("ptx", ""), trips, num_warps)
+    a = sass.analyze(compiled.asm["cubin"], compiled.asm.get("ptx", ""), trips, num_warps,
+                     programs=programs)
     notes = list(a.notes) + ([trips_error] if trips_error else [])
     return dict(ctas_per_sm=occ["ctas"], occupancy=occ, sass_instructions=a.instructions,
                 loops=a.loops, dynamic=a.dynamic, dynamic_classes=a.dynamic_classes,
@@ -473,7 +476,7 @@ def report(shape, dtype="bf16", mode="chunk", archs=(80, 90), gates="key", ptx_d
                                shared=k.metadata.shared, **count_mma(ptx))
                     tc, why = trips[id(launch)]
                     rec.update(sass_fields(k, tc, launch.num_warps, arch, rec["n_regs"],
-                                           rec["shared"], why))
+                                           rec["shared"], why, programs))
                     if ptx_dir:
                         # a kernel launched twice in one phase gets .2, .3, ...
                         stem, i = f"{name}.{phase}", 1

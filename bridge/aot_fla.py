@@ -171,7 +171,8 @@ def compile_config(entry, cfg, arch=90) -> dict:
                programs=programs, num_warps=num_warps, num_stages=k.metadata.num_stages,
                config=_config_text(cfg), n_regs=use["regs"], n_spills=use["spill_bytes"] or 0,
                shared=k.metadata.shared, **aot.count_mma(k.asm["ptx"]))
-    rec.update(aot.sass_fields(k, trips, num_warps, arch, rec["n_regs"], rec["shared"], why))
+    rec.update(aot.sass_fields(k, trips, num_warps, arch, rec["n_regs"], rec["shared"], why,
+                               programs))
     return rec
 
 

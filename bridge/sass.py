@@ -275,9 +275,11 @@ class Analysis:
                     dynamic_classes=self.dynamic_classes, notes=self.notes)
 
 
-def analyze(cubin: bytes, ptx: str, trips, num_warps: int, sass: str = None) -> Analysis:
+def analyze(cubin: bytes, ptx: str, trips, num_warps: int, sass: str = None,
+            programs: int = 1) -> Analysis:
     """The SASS section of one launch; `trips` is bridge.tripcounts.TripCounts
-    for the launch's grid (None: every loop body counted once per program)."""
+    for the launch's grid (None when they could not be derived: every loop body
+    then counts once per each of `programs`, a lower bound, said in the notes)."""
     ins, labels = parse(sass if sass is not None else disassemble(cubin))
     ins = _drop_padding(ins, labels)
     loops = find_loops(ins, labels)
@@ -288,8 +290,11 @@ def analyze(cubin: bytes, ptx: str, trips, num_warps: int, sass: str = None) -> 
         lp.classes = classes_of(own)
         lp.one_to_one = _one_to_one([i.op for i in own], _ONE_TO_ONE_SASS)
     ptx_counts = ptx_loops(ptx) if ptx else []
-    programs = trips.programs if trips is not None else 1
     notes = []
+    if trips is not None:
+        programs = trips.programs
+    elif loops:
+        notes.append("no trip counts: each loop body counted once per program (a lower bound)")
 
     # executions of each SASS loop's body, summed over the grid
     runs = [None] * len(loops)

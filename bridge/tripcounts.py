@@ -181,7 +181,7 @@ class _Run:
     def loop(self, key, make):
         try:
             it = make()
-        except Underivable:
+        except Exception:  # Underivable, or an operation with no scalar meaning
             self.unknown.add(key)
             return
         for x in it:
@@ -191,7 +191,7 @@ class _Run:
     def cond(self, key, make):
         try:
             return bool(make())
-        except Underivable:
+        except Exception:  # Underivable, or an operation with no scalar meaning
             self.unknown.add(key)
             return False
 

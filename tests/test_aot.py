@@ -355,7 +355,9 @@ def analyze(kernel, grid, scalars, M, W):
                     num_warps=W)
     k = aot._compile(launch, dict(q="float32", y="float32"), 90)
     tc = tripcounts.trip_counts(kernel, grid, aot.launch_params(launch))
-    return sass.analyze(k.asm["cubin"], k.asm["ptx"], tc, W).as_dict()
+    blind = sass.analyze(k.asm["cubin"], k.asm["ptx"], None, W, programs=grid[0])
+    return dict(sass.analyze(k.asm["cubin"], k.asm["ptx"], tc, W).as_dict(),
+                blind=blind.as_dict())
 
 print(json.dumps(dict(big=analyze(loop_toy, (12,), (37, 10, 3), 1024, 4),
                       small=analyze(small_toy, (3,), (37,), 128, 4))))
@@ -397,6 +399,10 @@ def test_sass_dynamic_counts_match_closed_form(tmp_path):
     assert len(main) == 1 and "ptxas unroll 4" in main[0]["trips"], small["loops"]
     exact = 37 * 4 * 3  # N x warps x programs, one exp2 per thread
     assert exact <= small["dynamic_classes"]["MUFU.EX2"] <= exact + 3 * 4 * 3
+    # without trip counts every instruction runs once per program and warp, and says so
+    blind = big["blind"]
+    assert blind["dynamic"] == 4 * 12 * blind["instructions"]
+    assert any("lower bound" in n for n in blind["notes"])
 
 
 def test_occupancy_arithmetic():
