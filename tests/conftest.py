@@ -2,6 +2,9 @@
 interpreter before anything imports triton (Triton reads the switch at import)."""
 
 import importlib.util
+import os
+
+import pytest
 
 if importlib.util.find_spec("triton") and importlib.util.find_spec("torch"):
     import bridge.kernels  # noqa: F401
@@ -11,8 +14,6 @@ if importlib.util.find_spec("triton") and importlib.util.find_spec("torch"):
 # HYPOTHESIS_PROFILE=deep draws 50x the examples from fresh random seeds
 # (before a release: README.md, "Hardening").
 if importlib.util.find_spec("hypothesis"):
-    import os
-
     from hypothesis import HealthCheck, settings
 
     _slow = [HealthCheck.too_slow, HealthCheck.data_too_large]
@@ -21,3 +22,33 @@ if importlib.util.find_spec("hypothesis"):
     settings.register_profile("deep", max_examples=5000, deadline=None, database=None,
                               print_blob=True, suppress_health_check=_slow)
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--backends", default=os.environ.get("GLA_BACKENDS", ""),
+                     help="comma-separated parity backend names (e.g. torch-torch,jax-xla): "
+                          "run only their tests marked `backend`, deselect the others' "
+                          "(default: all, or the env var GLA_BACKENDS)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "backend(name): the test checks this parity backend "
+                                       "(parity.backends); --backends selects by it")
+
+
+def pytest_collection_modifyitems(config, items):
+    chosen = {n.strip() for n in config.getoption("backends").split(",") if n.strip()}
+    if not chosen:
+        return
+    from parity import backends
+
+    known = {b.name for b in backends.all_backends()[1:]}
+    if chosen - known:
+        raise pytest.UsageError(f"--backends / GLA_BACKENDS: unknown {sorted(chosen - known)}; "
+                                f"the backends are {sorted(known)}")
+    drop = [it for it in items
+            if it.get_closest_marker("backend") and it.get_closest_marker("backend").args[0]
+            not in chosen]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [it for it in items if it not in drop]

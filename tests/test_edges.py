@@ -78,6 +78,30 @@ def test_empty_sequences(backend, case):
     assert_matches_oracle(backend, case)
 
 
+# Issue #35: float16 with strong gates (gate_scale 3): a case the deep property
+# profile drew, its neighbours, and (seed 2089) one it drew for the chunked kernels
+# with gv and packed sequences. The chunked kernels' gate gradients were 1.4e-3 to
+# 1.6e-2 off on them (their backward met an fp16-rounded dh with the fp32 one in a
+# term that cancels; tests/test_triton_chunk_bwd.py holds their cases); every other
+# backend keeps the gate gradients' terms in fp32 and must stay within tolerance.
+FP16_STRONG = cases.Case("fp16-strong-gates", B=2, T=3, H=2, Hk=2, K=3, V=3, g="head",
+                         gk=True, g_gamma="head", initial_state=True, gate_scale=3.0)
+FP16_STRONG_CASES = [
+    (FP16_STRONG, 113), (FP16_STRONG.with_(name="fp16-strong-gates-t5", T=5), 113),
+    (FP16_STRONG.with_(name="fp16-strong-gates-reverse", reverse=True), 113),
+    (FP16_STRONG.with_(name="fp16-strong-gates-t130", T=130), 113),
+    (FP16_STRONG.with_(name="fp16-strong-gates-gv", gv=True), 113),
+    (FP16_STRONG.with_(name="fp16-strong-gates-gv-varlen", B=1, T=9, gv=True,
+                       initial_state=False, seqlens=(2, 4, 3)), 2089)]
+NOT_CHUNKED = [b for b in BACKENDS if b.name not in ("torch-triton-chunk", "jax-triton-chunk")]
+
+
+@pytest.mark.parametrize("case,seed", [pytest.param(c, s, id=c.name) for c, s in FP16_STRONG_CASES])
+@pytest.mark.parametrize("backend", NOT_CHUNKED, ids=ids)
+def test_fp16_strong_gates(backend, case, seed):
+    assert_matches_oracle(backend, case, "float16", seed=seed)
+
+
 def _nonfinite_case():
     """Two batch rows; row 0 holds a NaN query, an Inf key and a -inf gate, row 1 is clean."""
     case = cases.Case("nonfinite", B=2, T=6, H=2, Hk=1, K=4, V=3, g="key", initial_state=True)

@@ -6,7 +6,8 @@ match the float64 NumPy oracle in outputs, final state and every gradient.
 Profiles (tests/conftest.py): "ci" (default) is derandomized; each backend
 draws a share of its 100 examples by its cost (the Triton interpreter and
 Pallas interpret mode are slow, and they get tiny shapes). `HYPOTHESIS_PROFILE=deep`
-draws 50x as many from fresh seeds. A shrunk failure becomes a regular case in
+draws 50x as many from fresh seeds; `--backends a,b` (or GLA_BACKENDS=a,b)
+runs only the named backends' tests. A shrunk failure becomes a regular case in
 tests/test_edges.py.
 """
 
@@ -94,7 +95,7 @@ def _property(name):
         check_backend(name, *problem)
 
     test.__name__ = test.__qualname__ = "test_" + name.replace("-", "_") + "_matches_oracle"
-    return test
+    return pytest.mark.backend(name)(test)
 
 
 # one test per backend, so each has its own example budget and report line
@@ -116,7 +117,8 @@ _GAMMA_CANCEL = cases.Case("shrunk-gamma-cancel", B=2, T=12, H=1, Hk=1, K=6, V=4
 SHRUNK = [(name, _GAMMA_CANCEL, "float32", 6149) for name in ("torch-torch", "jax-xla")]
 
 
-@pytest.mark.parametrize("name,case,dtype,seed", SHRUNK,
+@pytest.mark.parametrize("name,case,dtype,seed",
+                         [pytest.param(*x, marks=pytest.mark.backend(x[0])) for x in SHRUNK],
                          ids=[f"{n}-{c.name}" for n, c, _, _ in SHRUNK])
 def test_shrunk_example(name, case, dtype, seed):
     check_backend(name, case, dtype, seed)
