@@ -312,3 +312,44 @@ def test_unknown_family_and_compiled_cpu_launch_are_named_errors(monkeypatch):
     monkeypatch.setattr(kernels, "INTERPRETED", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         torch_runner.run(kernels.family("chunk").forward_launches(plan), t)
+
+
+def test_seg_table_sums_consecutive_decays():
+    """The seg table (chunk_seg_kernel) against sums written out here: level h
+    (BT/2 .. 2) sums, for a row t with bit h set, its aligned segment of h from
+    the start to t, else t+1 to the segment's end; then the chunk's reverse
+    exclusive and inclusive sums. Applied to random decays, as seg_sums does."""
+    a = np.zeros((1, 1, 1, 1), np.float32)
+    plan = contract.check(a, a, a)
+    env = {"q": torch.zeros(1)}
+    torch_runner.run([chunk.seg_launch(plan)], env)
+    BT = chunk.BT
+    got = env["segm"].float().numpy()
+    x = np.random.default_rng(0).standard_normal(BT)
+    want = []
+    for i in range(BT.bit_length() - 2):
+        h = BT // 2 >> i
+        rows = []
+        for t in range(BT):
+            start = t - t % h
+            rows.append(x[start:t + 1].sum() if t & h else x[t + 1:start + h].sum())
+        want.append(rows)
+    want.append([x[t + 1:].sum() for t in range(BT)])
+    want.append([x[:t + 1].sum() for t in range(BT)])
+    assert got.shape == (len(want), BT, BT) and set(np.unique(got)) <= {0.0, 1.0}
+    np.testing.assert_allclose(got @ x, np.array(want), rtol=0, atol=1e-12)
+
+
+def test_grids_within_cuda_limits_for_many_sequences():
+    """4,096 packed sequences x 16 heads (N*H = 65,536): every chunk launch,
+    forward and backward, has a grid CUDA accepts (x < 2^31, y and z <= 65,535)."""
+    N, H = 4096, 16
+    q = np.zeros((1, 8 * N, H, 64), np.float32)
+    cu = np.arange(0, 8 * N + 1, 8, dtype=np.int32)
+    for kw in ({}, dict(g=np.zeros((1, 8 * N, H, 64), np.float32),
+                        gv=np.zeros((1, 8 * N, H, 64), np.float32))):
+        plan = contract.check(q, q, q, cu_seqlens=cu, initial_state=np.zeros((N, H, 64, 64),
+                                                                               np.float32), **kw)
+        for launch in chunk.forward_launches(plan) + chunk.backward_launches(plan, True):
+            grid = tuple(launch.grid) + (1, 1)
+            assert grid[0] < 2 ** 31 and max(grid[1:3]) <= 65535, (launch.kernel.__name__, grid)
