@@ -31,7 +31,8 @@ SMALL64 = (2, 256, 4, 64, 64)
 REFERENCE = (8, 4096, 16, 128, 128)
 FIELDS = ("kernel", "phase", "target", "grid", "programs", "num_warps", "num_stages", "n_regs",
           "n_spills", "shared", "mma", "wgmma", "mma_types", "dot_flops", "bytes",
-          "lower_bound_us", "peak_flops")
+          "lower_bound_us", "peak_flops", "ctas_per_sm", "occupancy", "sass_instructions", "loops",
+          "dynamic", "dynamic_classes", "sass_notes")
 MMA_TYPE = {"bf16": "bf16", "fp16": "f16"}
 SMEM = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,6 +112,16 @@ def _check_structure(rep, plan, launches_of):
         assert b[phase] == pytest.approx(sum(r["lower_bound_us"] for r in recs
                                              if r["phase"] == phase and r["target"] == "sm_90"))
     assert b["total"] == pytest.approx(b["fwd"] + b["bwd"])
+    for target, dyn in rep["dynamic_warp_instructions"].items():
+        for phase in ("fwd", "bwd"):
+            assert dyn[phase] == pytest.approx(sum(r["dynamic"] for r in recs if r["phase"] == phase
+                                                   and r["target"] == target)) and dyn[phase] > 0
+    for r in recs:
+        assert 1 <= r["ctas_per_sm"] <= 32 and r["sass_instructions"] > 0
+        # code outside loops runs at least once per program and warp
+        assert r["dynamic"] >= r["programs"] * r["num_warps"]
+        for lp in r["loops"]:
+            assert lp["runs"] >= 0 and lp["static_nested"] >= lp["static"] > 0
     ws = rep["workspace_bytes"]
     assert isinstance(ws, int) and ws >= 0
     assert ws == aot.workspace_bytes(plan, launches_of.backward_launches(plan, True))
@@ -287,3 +298,270 @@ def test_count_mma_on_a_compiled_dot(tmp_path):
         assert got[f"{dtype}-False-80"]["mma_types"] == got[f"{dtype}-False-90"]["mma_types"] == [t]
         for arch in (80, 90):
             assert got[f"{dtype}-True-{arch}"] == dict(mma=0, wgmma=0, mma_types=[])
+
+
+# ---------------------------------------------------------------- SASS and trip counts
+
+def _nvdisasm():
+    try:
+        from bridge import sass
+
+        return os.path.exists(sass.tool("nvdisasm"))
+    except Exception:
+        return False
+
+
+needs_nvdisasm = pytest.mark.skipif(
+    not _nvdisasm(), reason="Triton's bundled nvdisasm is missing (no NVIDIA backend)")
+
+_LOOPS = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def loop_toy(x, N, ACTIVE, R, y, M: tl.constexpr):
+    pid = tl.program_id(0)
+    if pid >= ACTIVE:
+        return
+    o = tl.arange(0, M)
+    acc = tl.zeros([M], dtype=tl.float32)
+    for i in range(N):
+        acc += tl.exp2(tl.load(x + i * M + o))
+        for s in tl.static_range(2):
+            acc = tl.exp2(acc * 0.5)
+        for j in range(pid % R):
+            acc = tl.exp2(acc - tl.max(acc, 0))
+    tl.store(y + pid * M + o, acc)
+
+
+@triton.jit
+def small_toy(x, N, y, M: tl.constexpr):
+    o = tl.arange(0, M)
+    acc = tl.zeros([M], dtype=tl.float32)
+    for i in range(N):
+        acc += tl.exp2(tl.load(x + i * M + o))
+    tl.store(y + tl.program_id(0) * M + o, acc)
+'''
+
+_RUN_LOOPS = '''
+import json
+from bridge import aot, sass, tripcounts
+from bridge.launch import Launch, Out
+from loops_toy import loop_toy, small_toy
+
+def analyze(kernel, grid, scalars, M, W):
+    launch = Launch(kernel, grid, ("q",), scalars, (Out("y", (grid[0], M)),), dict(M=M),
+                    num_warps=W)
+    k = aot._compile(launch, dict(q="float32", y="float32"), 90)
+    tc = tripcounts.trip_counts(kernel, grid, aot.launch_params(launch))
+    blind = sass.analyze(k.asm["cubin"], k.asm["ptx"], None, W, programs=grid[0])
+    return dict(sass.analyze(k.asm["cubin"], k.asm["ptx"], tc, W).as_dict(),
+                blind=blind.as_dict())
+
+print(json.dumps(dict(big=analyze(loop_toy, (12,), (37, 10, 3), 1024, 4),
+                      small=analyze(small_toy, (3,), (37,), 128, 4))))
+'''
+
+
+@needs_nvdisasm
+def test_sass_dynamic_counts_match_closed_form(tmp_path):
+    """The SASS reader on two hand-written kernels compiled for sm_90, against
+    closed forms. loop_toy: 12 programs of 4 warps, 2 return at once (pid >= 10);
+    the rest run N = 37 outer iterations with 1 + 2 (static_range) exp2 of 1024
+    elements (8 per thread) and pid % 3 inner iterations with 1 exp2 and a
+    cross-warp max: MUFU.EX2 = 4 x (24 x 37 x 10 + 8 x 37 x sum(pid % 3)), the
+    inner loop's bar.sync = 4 x its static count x 37 x 9. small_toy's tiny body
+    is unrolled 4x by ptxas: the reader finds the factor, and its estimate lies
+    between the exact count and the exact count plus the 3 peeled copies."""
+    (tmp_path / "loops_toy.py").write_text(textwrap.dedent(_LOOPS))
+    (tmp_path / "run.py").write_text(textwrap.dedent(_RUN_LOOPS))
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(tmp_path / "run.py")], env=env, capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = json.loads(res.stdout.splitlines()[-1])
+    big = got["big"]
+    inner_runs = 37 * sum(p % 3 for p in range(10))
+    assert big["dynamic_classes"]["MUFU.EX2"] == 4 * (24 * 37 * 10 + 8 * inner_runs)
+    loops = {lp["line"]: lp for lp in big["loops"]}
+    assert set(loops) == {"loops_toy.py:13", "loops_toy.py:17"}  # static_range: no SASS loop
+    outer, inner = loops["loops_toy.py:13"], loops["loops_toy.py:17"]
+    assert (outer["runs"], inner["runs"]) == (370, inner_runs)
+    assert inner["parent"] == big["loops"].index(outer) and inner["depth"] == 1
+    assert inner["classes"]["BAR"] > 0 and inner["classes"]["MUFU.EX2"] == 8
+    assert big["dynamic_classes"]["BAR"] == 4 * inner["classes"]["BAR"] * inner_runs
+    assert outer["classes_nested"]["BAR"] == inner["classes"]["BAR"]
+    assert any("2 of 12 programs return early" in n for n in big["notes"])
+    small = got["small"]
+    main = [lp for lp in small["loops"] if lp["runs"]]
+    assert len(main) == 1 and "ptxas unroll 4" in main[0]["trips"], small["loops"]
+    exact = 37 * 4 * 3  # N x warps x programs, one exp2 per thread
+    assert exact <= small["dynamic_classes"]["MUFU.EX2"] <= exact + 3 * 4 * 3
+    # without trip counts every instruction runs once per program and warp, and says so
+    blind = big["blind"]
+    assert blind["dynamic"] == 4 * 12 * blind["instructions"]
+    assert any("lower bound" in n for n in blind["notes"])
+
+
+def test_occupancy_arithmetic():
+    """CTAs per SM by hand: registers are allocated per warp in 256s, shared
+    memory has 1 KiB reserved per CTA, at most 64 warps and 32 CTAs."""
+    from bridge.sass import occupancy
+
+    # 168 regs -> 5376 per warp -> 12 warps of 65536 -> 3 CTAs of 4 warps
+    assert occupancy(168, 16384, 4, 90)["ctas"] == 3
+    assert occupancy(168, 16384, 4, 90)["limiter"] == "regs"
+    assert occupancy(255, 6144, 8, 90)["ctas"] == 1            # 8192 per warp -> 8 warps
+    assert occupancy(32, 100 * 1024, 4, 90) == dict(
+        ctas=2, limiter="smem", by=dict(regs=16, smem=2, warps=16, ctas=32), warps_per_sm=8)
+    assert occupancy(32, 100 * 1024, 4, 80)["ctas"] == 1       # 164 KiB per SM on sm_80
+    assert occupancy(16, 0, 1, 90)["ctas"] == 32               # the CTA limit
+    assert occupancy(64, 0, 16, 90)["by"]["warps"] == 4
+
+
+_SKELETON = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def helper(n):
+    s = 0
+    for t in range(n):
+        s += 1
+    return s
+
+
+@triton.jit
+def shape_toy(x, cu, T, N, y, BT: tl.constexpr, NC: tl.constexpr, VARLEN: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_i = i_c % NC
+    if i_c // NC >= N:
+        return
+    if VARLEN:
+        T = tl.load(cu + 1) - tl.load(cu)
+    nt = tl.cdiv(T, BT)
+    for j in range(0, i_i):
+        for k in range(j, i_i):
+            tl.store(y + k, tl.load(x + j))
+    for it in range(nt):
+        for s in tl.static_range(NC):
+            tl.store(y + s, it)
+    n = helper(i_i)
+'''
+
+
+def test_trip_counts_by_hand(tmp_path, monkeypatch):
+    """bridge.tripcounts runs a kernel's control flow per program: triangular
+    nested loops, static_range, a helper's loop, an early return, and a loop
+    bound from a loaded value (cu_seqlens) reported as not derivable."""
+    from bridge import tripcounts
+
+    (tmp_path / "skeleton_toy.py").write_text(textwrap.dedent(_SKELETON))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import skeleton_toy
+
+    NC, T, BT, N = 4, 200, 64, 3
+    params = dict(x=tripcounts.UNKNOWN, cu=None, T=T, N=N, y=tripcounts.UNKNOWN, BT=BT, NC=NC,
+                  VARLEN=False)
+    grid = (NC * (N + 1), 5)  # the last NC programs along x return at once
+    tc = tripcounts.trip_counts(skeleton_toy.shape_toy, grid, params)
+    assert tc.programs == NC * (N + 1) * 5
+    active = N * 5  # programs per value of i_i that do not return
+    key = lambda line: ("skeleton_toy.py", line)  # noqa: E731
+    # line numbers of _SKELETON as written to the file (it starts with a newline)
+    assert tc.per_program[key(23)] == active * sum(range(NC))                       # j < i_i
+    assert tc.per_program[key(24)] == active * sum(i * (i + 1) // 2 for i in range(NC))
+    nt = -(-T // BT)
+    assert tc.per_program[key(26)] == active * NC * nt
+    assert tc.per_program[key(27)] == active * NC * nt * NC
+    assert tc.per_program[key(9)] == active * sum(range(NC))                        # helper
+    assert tc.loops[key(27)]["kind"] == "static" and tc.loops[key(26)]["kind"] == "runtime"
+    assert tc.early_exit == {key(19): NC * 5}
+    assert not tc.unknown
+    assert tc.evaluated == grid[0] * grid[1]  # both axes are read
+    varlen = tripcounts.trip_counts(skeleton_toy.shape_toy, grid,
+                                    dict(params, cu=tripcounts.UNKNOWN, VARLEN=True))
+    assert varlen.unknown[key(26)] == active * NC and varlen.per_program[key(26)] == 0
+    # an axis the kernel never reads is run once and weighted
+    wide = tripcounts.trip_counts(skeleton_toy.helper, (7, 3), dict(n=5))
+    assert (wide.evaluated, wide.per_program[key(9)]) == (1, 5 * 21)
+
+
+def test_targets_and_readiness_section(bf16_report):
+    """The report's issue-30 targets and BENCHMARKS.md's GPU-readiness rendering:
+    without fla the comparisons are "not measured"; given fla records (here our own
+    launches standing in for fla's) the dynamic targets compare the sums (1.00x,
+    met) and the bar.sync target the worst loop bodies."""
+    import copy
+
+    from parity.bench import readiness
+
+    rep, _ = bf16_report
+    ts = {t["name"]: t for t in rep["targets"]}
+    assert len(ts) == 5 and all(t["met"] is None for n, t in ts.items() if "fla" in n)
+    ctas = next(t for n, t in ts.items() if "CTAs" in n)
+    low = [r for r in rep["launches"] if r["target"] == "sm_90"
+           and not aot.sequential(r["kernel"]) and r["ctas_per_sm"] < 2]
+    assert ctas["met"] == (not low)
+    text = readiness.section({"gpu": [rep]})
+    assert "Instruction model" in text and "not measured" in text
+    twin = copy.deepcopy(rep)
+    twin["fla"] = dict(launches=[r for r in twin["launches"] if r["target"] == "sm_90"],
+                       dynamic={}, versions=dict(fla="0"))
+    got = {t["name"]: t for t in aot.targets(twin)}
+    dyn = [t for n, t in got.items() if "dynamic" in n]
+    assert len(dyn) == 2 and all(t["met"] and "(1.00x)" in t["figure"] for t in dyn)
+    bars = next(t for n, t in got.items() if "bar.sync" in n)
+    assert bars["met"] and str(max(aot.max_loop_bars(r) for r in twin["fla"]["launches"])) \
+        in bars["figure"]
+    assert aot.sequential("chunk_state_kernel") and aot.sequential("chunk_bwd_kernel_dh")
+    assert aot.sequential("chunk_fwd_kernel_h") and not aot.sequential("chunk_dqk_kernel")
+
+
+_FLA = '''
+import json
+from bridge import aot_fla
+
+entries = aot_fla.capture((1, 128, 2, 64, 64))
+inter = next(e for e in entries if e["fn"].__name__ == "chunk_gla_fwd_A_kernel_intra_sub_inter")
+rec = aot_fla.compile_config(inter, inter["configs"][0])
+print(json.dumps(dict(
+    launches=[[e["phase"], e["fn"].__name__, len(e["configs"])] for e in entries],
+    bks=sorted({c.kwargs.get("BK") for e in entries for c in e["configs"] if c and "BK" in c.kwargs}),
+    rec={k: rec[k] for k in ("kernel", "grid", "programs", "num_warps", "dynamic", "ctas_per_sm")},
+    exits=rec["sass_notes"])))
+'''
+
+
+@needs_nvdisasm
+def test_fla_launches_are_captured(tmp_path):
+    """--compare-fla's capture of fla's chunk_gla (forward with final state, backward)
+    under the H100 stand-in: the launch sequence fla/ops/gla/chunk.py makes
+    (cumsum, state, intra-chunk, output; backward recomputing cumsum and h), its
+    H100 tile sizes (BK 32 and 64, not the CPU fallback 16 / 32), and one config of
+    the inter-sub-chunk kernel compiled: grid (chunks, 4 x 4 sub-chunk pairs, B x H),
+    the 10 of 16 pairs with i <= j returning at once."""
+    pytest.importorskip("fla", reason="fla-core (the bench extra) is not installed")
+    (tmp_path / "run.py").write_text(textwrap.dedent(_FLA))
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(tmp_path / "run.py")], env=env, capture_output=True,
+                         text=True, timeout=600, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = json.loads(res.stdout.splitlines()[-1])
+    names = [(p, n) for p, n, _ in got["launches"]]
+    assert names == [
+        ("fwd", "chunk_local_cumsum_vector_kernel"), ("fwd", "chunk_fwd_kernel_h"),
+        ("fwd", "chunk_gla_fwd_A_kernel_intra_sub_inter"),
+        ("fwd", "chunk_gla_fwd_A_kernel_intra_sub_intra"), ("fwd", "chunk_gla_fwd_kernel_o"),
+        ("bwd", "chunk_local_cumsum_vector_kernel"), ("bwd", "chunk_fwd_kernel_h"),
+        ("bwd", "chunk_bwd_kernel_dh"), ("bwd", "chunk_gla_bwd_kernel_dv"),
+        ("bwd", "chunk_gla_bwd_kernel_dA"), ("bwd", "chunk_gla_bwd_kernel_intra"),
+        ("bwd", "chunk_gla_bwd_kernel_inter")], names
+    assert all(n >= 1 for _, _, n in got["launches"]) and got["bks"] == [32, 64]
+    rec = got["rec"]
+    assert rec["grid"] == [2, 16, 2] and rec["programs"] == 64 and rec["dynamic"] > 0
+    assert any("40 of 64 programs return early" in n for n in got["exits"]), got["exits"]
