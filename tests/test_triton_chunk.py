@@ -314,30 +314,35 @@ def test_unknown_family_and_compiled_cpu_launch_are_named_errors(monkeypatch):
         torch_runner.run(kernels.family("chunk").forward_launches(plan), t)
 
 
-def test_seg_table_sums_consecutive_decays():
-    """The seg table (chunk_seg_kernel) against sums written out here: level h
-    (BT/2 .. 2) sums, for a row t with bit h set, its aligned segment of h from
-    the start to t, else t+1 to the segment's end; then the chunk's reverse
-    exclusive and inclusive sums. Applied to random decays, as seg_sums does."""
-    a = np.zeros((1, 1, 1, 1), np.float32)
-    plan = contract.check(a, a, a)
-    env = {"q": torch.zeros(1)}
-    torch_runner.run([chunk.seg_launch(plan)], env)
+@triton.jit
+def _seg_kernel(out, H: tl.constexpr, BT: tl.constexpr):
+    o_t = tl.arange(0, BT)
+    c = common.seg_matrix(o_t, H, tl.float32)
+    tl.store(out + o_t[:, None] * BT + o_t[None, :], c.to(tl.float32))
+
+
+def test_seg_matrices_sum_consecutive_decays():
+    """common.seg_matrix against sums written out here: level h (BT/2 .. 1)
+    sums, for a row t with bit h set, its aligned segment of h from the start to
+    t, else t+1 to the segment's end; h = BT the chunk's reverse exclusive sums,
+    h = 2 BT its inclusive sums. Applied to random decays, as seg_sums does."""
     BT = chunk.BT
-    got = env["segm"].float().numpy()
     x = np.random.default_rng(0).standard_normal(BT)
-    want = []
-    for i in range(BT.bit_length() - 2):
-        h = BT // 2 >> i
-        rows = []
+    for h in [BT >> i for i in range(1, BT.bit_length())] + [BT, 2 * BT]:
+        out = torch.empty(BT, BT)
+        _seg_kernel[(1,)](out, H=h, BT=BT)
+        got = out.numpy()
+        want = []
         for t in range(BT):
-            start = t - t % h
-            rows.append(x[start:t + 1].sum() if t & h else x[t + 1:start + h].sum())
-        want.append(rows)
-    want.append([x[t + 1:].sum() for t in range(BT)])
-    want.append([x[:t + 1].sum() for t in range(BT)])
-    assert got.shape == (len(want), BT, BT) and set(np.unique(got)) <= {0.0, 1.0}
-    np.testing.assert_allclose(got @ x, np.array(want), rtol=0, atol=1e-12)
+            if h > BT:
+                want.append(x[:t + 1].sum())
+            elif h == BT:
+                want.append(x[t + 1:].sum())
+            else:
+                start = t - t % h
+                want.append(x[start:t + 1].sum() if t & h else x[t + 1:start + h].sum())
+        assert set(np.unique(got)) <= {0.0, 1.0}, h
+        np.testing.assert_allclose(got @ x, np.array(want), rtol=0, atol=1e-12, err_msg=str(h))
 
 
 def test_grids_within_cuda_limits_for_many_sequences():

@@ -1,7 +1,7 @@
 """mode="chunk": the launch plans of the chunked kernels (chunk_fwd.py, chunk_bwd.py).
 
-Forward: seg_launch (the seg table "segm"), state_launches (gate pre-passes,
-then the sequential state pass: h at every chunk start and the final state),
+Forward: state_launches (gate pre-passes, then the sequential state pass: h
+at every chunk start and the final state),
 intra_launch (the intra-chunk matrix A), output_launch (o). Backward: h and A
 are recomputed (nothing but the inputs and the final state is kept from the
 forward), the state pass runs backwards for dh, then parallel launches give
@@ -9,8 +9,6 @@ dA, dv and dq/dk with the gate gradients from chunk-local reverse sums plus one
 carried term per chunk; see chunk_bwd.py.
 
 Buffers the backward reads from these launches:
-  segm     [log2(BT)+1, BT, BT] 0/1 seg matrices (common.seg_sums), in q's dtype
-           for bf16/fp16 inputs, fp32 otherwise;
   kg, vg   [B,T,H,K|V] forward state operands (k, v gated to their chunk's end;
            only with g/gk, gv), in k's dtype; qg, dog the backward's (q scale,
            do gated from their chunk's start), in q's dtype;
@@ -35,9 +33,9 @@ import os
 
 from ..launch import Launch, Out
 from .chunk_bwd import chunk_dA_kernel, chunk_dgamma_kernel, chunk_dqk_kernel, chunk_dv_kernel
-from .common import check_k, flags, gate_inputs, key_gated, next_pow2, seg_count
+from .common import check_k, flags, gate_inputs, key_gated, next_pow2
 from .chunk_fwd import (chunk_gate_kernel, chunk_intra_kernel, chunk_output_kernel,
-                        chunk_seg_kernel, chunk_state_kernel)
+                        chunk_state_kernel)
 
 BT = 64  # chunk length
 BC = 16  # sub-chunk length: no exponent differences two sums over more steps
@@ -50,9 +48,7 @@ def warps(name: str, plan) -> int:
     64-row wgmma (more warps there duplicated the elementwise work feeding it).
     fp32 products are FMA loops (no MMA) and need more threads."""
     fp32, gv = plan.dtype == "float32", plan.gv
-    if name == "chunk_state_kernel":
-        return 8 if fp32 else 4
-    if name == "chunk_gate_kernel":
+    if name in ("chunk_state_kernel", "chunk_gate_kernel"):
         return 8 if fp32 else 4
     if name == "chunk_dqk_kernel":
         return 4 if plan.dtype == "float16" and not gv else 8
@@ -63,10 +59,15 @@ def warps(name: str, plan) -> int:
 def stages(name: str, plan) -> int:
     """Software-pipelining stages (cp.async prefetch of the loops' dot operands)
     of each kernel, chosen with the SASS report like `warps`."""
+    if name == "chunk_intra_kernel":
+        return 1 if plan.dtype == "float32" else 2
     return {"chunk_state_kernel": 2}.get(name, 1)
 
 
-INTRA_BK = 16  # K block of chunk_intra_kernel: its level products spill at 32 on sm_80
+def intra_bk(plan) -> int:
+    """K block of chunk_intra_kernel: the largest with which its level products
+    build without spills on sm_80 and sm_90 (fp32 products are FMA loops)."""
+    return 16 if plan.dtype == "float32" else 32
 
 
 DQK_BV = {"float16": 16}
@@ -142,7 +143,7 @@ def gate_launch(plan, value: bool, backward: bool) -> Launch:
     name = {(False, False): "kg", (False, True): "vg", (True, False): "qg",
             (True, True): "dog"}[(backward, value)]
     return _launch(plan, chunk_gate_kernel, (ns * H * nd,),
-                   (x, *gate_inputs(plan), "segm", "cu_seqlens" if plan.varlen else None),
+                   (x, *gate_inputs(plan), "cu_seqlens" if plan.varlen else None),
                    (plan.scale, T, N),
                    (Out(name, (B, T, H, D), "like:q" if backward else "like:k"),
                     Out("decay_v" if value else "decay_k", (ns, H, D))),
@@ -154,7 +155,7 @@ def gate_launch(plan, value: bool, backward: bool) -> Launch:
 def state_launches(plan, backward: bool, use_s_in: bool, store_out: bool) -> list:
     """The sequential pass, after its parallel gate pre-passes (gate_launch, for
     g/gk and for gv): h at chunk starts + final state (forward), or dh at chunk
-    ends + d(initial_state) (backward). Reads "segm" (seg_launch)."""
+    ends + d(initial_state) (backward)."""
     c = config(plan)
     B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
     ns, isz = slots(plan), _size(plan)
@@ -185,15 +186,6 @@ def state_launches(plan, backward: bool, use_s_in: bool, store_out: bool) -> lis
                           USE_S_IN=use_s_in, STORE_OUT=store_out, BACKWARD=backward)]
 
 
-def seg_launch(plan) -> Launch:
-    """The seg table [seg_count(BT), BT, BT] (chunk_seg_kernel), in q's dtype for
-    bf16/fp16 (0/1 entries are exact) so the kernels load dot operands as such."""
-    dtype = "like:q" if plan.dtype in ("bfloat16", "float16") else "float32"
-    return Launch(chunk_seg_kernel, grid=(1,), inputs=(), scalars=(),
-                  outputs=(Out("segm", (seg_count(BT), BT, BT), dtype),),
-                  constexprs=dict(BT=BT), num_warps=4, bytes=seg_count(BT) * BT * BT * 4)
-
-
 def intra_launch(plan, fp32: bool = False) -> Launch:
     """A [B,T,H,BT]: fp32 when `fp32` (a gradient reads its values), else in
     q's dtype for bf16/fp16 inputs (its consumers only take it as a dot operand)."""
@@ -203,11 +195,11 @@ def intra_launch(plan, fp32: bool = False) -> Launch:
     products = 2 * levels - 1 if key_gated(plan) else 1  # each level + its segmented sums
     return _launch(plan, chunk_intra_kernel, (ns * H,),
                    ("q", "k", "g" if plan.g != "none" else None, "gk" if plan.gk else None,
-                    "g_gamma" if plan.g_gamma != "none" else None, "segm",
+                    "g_gamma" if plan.g_gamma != "none" else None,
                     "cu_seqlens" if plan.varlen else None),
                    (plan.scale, T, plan.N), (Out("A", (B, T, H, BT), _a_dtype(plan, fp32)),),
                    _consts(plan, c),
-                   flops=2 * ns * H * BT * BT * K * products, BK=INTRA_BK,
+                   flops=2 * ns * H * BT * BT * K * products, BK=intra_bk(plan),
                    nbytes=B * T * (H + plan.Hk) * K * _size(plan)
                    + B * T * H * BT * (4 if _a_dtype(plan, fp32) == "float32" else 2))
 
@@ -234,7 +226,7 @@ def output_launch(plan, prime: bool = False) -> Launch:
     nbytes = (B * T * (H * K + plan.Hk * V + H * V * (2 if prime else 1)) * isz
               + B * T * H * BT * isz + ns * H * K * V * ssz)
     return _launch(plan, chunk_output_kernel, (ns * H * -(-V // bv),),
-                   ("q", "v", *gate_inputs(plan), "A", "h", "segm",
+                   ("q", "v", *gate_inputs(plan), "A", "h",
                     "cu_seqlens" if plan.varlen else None, "do" if prime else None),
                    (plan.scale, T, plan.N), (out,), _consts(plan, c),
                    flops=2 * ns * BT * H * V * (K + BT), nbytes=nbytes, PRIME=prime, BV=bv)
@@ -243,8 +235,7 @@ def output_launch(plan, prime: bool = False) -> Launch:
 def forward_launches(plan) -> list:
     """Reads q, k, v, [g, gk, gv, g_gamma, initial_state, cu_seqlens]; writes
     o [B,T,H,V] (q's dtype) and final_state [N,H,K,V] fp32 (h, A on the way)."""
-    return [seg_launch(plan),
-            *state_launches(plan, backward=False, use_s_in=plan.initial_state, store_out=True),
+    return [*state_launches(plan, backward=False, use_s_in=plan.initial_state, store_out=True),
             intra_launch(plan), output_launch(plan)]
 
 
@@ -261,8 +252,7 @@ def backward_launches(plan, use_dht: bool) -> list:
     own = plan.group == 1  # per-query-head dk/dv are the gradients themselves
     ssz = _state_size(plan)
     tokens = B * T
-    launches = [seg_launch(plan),
-                *state_launches(plan, backward=False, use_s_in=plan.initial_state,
+    launches = [*state_launches(plan, backward=False, use_s_in=plan.initial_state,
                                 store_out=False),
                 intra_launch(plan, fp32=True),
                 *state_launches(plan, backward=True, use_s_in=use_dht,

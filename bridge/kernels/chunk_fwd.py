@@ -2,8 +2,6 @@
 
 Chunks of BT = 64 tokens in processing order; grids are one axis (program ids
 unflattened in the kernel, so no axis meets CUDA's 65,535 limit on y and z):
-  chunk_seg_kernel     the seg table: 0/1 matrices of the segmented decay sums
-                       (common.seg_matrix), made once per call;
   chunk_gate_kernel    parallel over (chunk, head, D block): the state pass's
                        operand gated to its chunk's end (forward: k, v) or from
                        its start (backward: q scale, do), and e^(chunk's decay);
@@ -37,13 +35,13 @@ import triton
 import triton.language as tl
 
 from .common import (block_pos, decay_k_in, exact_dtype, exp_, first_slot, head_gamma,
-                     level_mask, load_qk_tile, load_seg, load_tile, op_dtype, seg_inc,
-                     seg_matrix, seg_rev, seg_sums, seq_bounds, slot_chunk, tile_ptrs)
+                     level_mask, load_qk_tile, load_tile, op_dtype, seg_matrix, seg_sums,
+                     seq_bounds, slot_chunk, tile_ptrs)
 
 
 @triton.jit
 def chunk_gate_kernel(
-    x, g, gk, gv, g_gamma, segm, cu_seqlens,
+    x, g, gk, gv, g_gamma, cu_seqlens,
     scale, T, N,
     xg, decay,
     H: tl.constexpr, HX: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
@@ -77,9 +75,9 @@ def chunk_gate_kernel(
         a = decay_k_in(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_d, mask_d, H, D, G_MODE,
                        USE_GK, GAMMA_MODE)
     if BACKWARD:
-        e = seg_sums(load_seg(segm, seg_inc(BT), o_t, DT), a, DT)
+        e = seg_sums(seg_matrix(o_t, 2 * BT, DT), a, DT)
     else:
-        e = seg_sums(load_seg(segm, seg_rev(BT), o_t, DT), a, DT)
+        e = seg_sums(seg_matrix(o_t, BT, DT), a, DT)
     b_x = load_tile(x, row0, pos, i_hx, o_d, mask_t, mask_d, HX, D).to(tl.float32)
     if BACKWARD and not VALUE:
         b_x *= scale
@@ -161,21 +159,8 @@ def chunk_state_kernel(
 
 
 @triton.jit
-def chunk_seg_kernel(segm, BT: tl.constexpr):
-    """The seg table [seg_count(BT), BT, BT] that seg_sums multiplies by (0/1
-    matrices of common.seg_matrix, in table order): one program."""
-    o_t = tl.arange(0, BT)
-    for i in tl.static_range(BT.bit_length()):  # h = BT/2, ..., 2, then BT and 2 BT
-        if i < BT.bit_length() - 2:
-            h = (BT // 2) >> i
-        else:
-            h = BT << (i - BT.bit_length() + 2)
-        tl.store(segm + i * BT * BT + o_t[:, None] * BT + o_t[None, :], seg_matrix(o_t, h))
-
-
-@triton.jit
 def chunk_intra_kernel(
-    q, k, g, gk, g_gamma, segm, cu_seqlens,
+    q, k, g, gk, g_gamma, cu_seqlens,
     scale, T, N,
     A,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
@@ -208,10 +193,11 @@ def chunk_intra_kernel(
     acc = tl.zeros([BT, BT], dtype=tl.float32)
     if KGATE:
         DT: tl.constexpr = exact_dtype(g, gk, G_MODE, USE_GK, GAMMA_MODE)
-        for lvl in tl.static_range(BT.bit_length() - 1):
+        for lvl in range(0, BT.bit_length() - 1):  # runtime: unrolled, every level's c was
+            # built up front (live registers, spills)
             h = (BT // 2) >> lvl
             upper = (o_t & h) != 0
-            c = load_seg(segm, lvl, o_t, DT)
+            c = seg_matrix(o_t, h, DT)
             d = tl.zeros([BT, BT], dtype=tl.float32)
             for i_k in range(0, tl.cdiv(K, BK)):
                 o_k = i_k * BK + tl.arange(0, BK)
@@ -220,11 +206,7 @@ def chunk_intra_kernel(
                                    K)
                 a = decay_k_in(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K,
                                G_MODE, USE_GK, GAMMA_MODE)
-                if h > 1:
-                    e = seg_sums(c, a, DT)
-                else:  # segments of one position: t's side is a_t, s's side empty
-                    e = tl.where(upper[:, None], a.to(tl.float32), 0.)
-                p = (b_x.to(tl.float32) * exp_(e)).to(op)
+                p = (b_x.to(tl.float32) * exp_(seg_sums(c, a, DT))).to(op)
                 d = tl.dot(p, tl.trans(p), d, input_precision=DOT_PREC)
             acc = tl.where(level_mask(o_t, h), d, acc)
     d = tl.zeros([BT, BT], dtype=tl.float32)
@@ -244,7 +226,7 @@ def chunk_intra_kernel(
 
 @triton.jit
 def chunk_output_kernel(
-    q, v, g, gk, gv, g_gamma, A, h, segm, cu_seqlens, do,
+    q, v, g, gk, gv, g_gamma, A, h, cu_seqlens, do,
     scale, T, N,
     o,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -284,7 +266,7 @@ def chunk_output_kernel(
             DT: tl.constexpr = exact_dtype(g, gk, G_MODE, USE_GK, GAMMA_MODE)
             a = decay_k_in(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K, G_MODE,
                            USE_GK, GAMMA_MODE)
-            b_q *= exp_(seg_sums(load_seg(segm, seg_inc(BT), o_t, DT), a, DT))
+            b_q *= exp_(seg_sums(seg_matrix(o_t, 2 * BT, DT), a, DT))
         b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :],
                       mask=mask_k[:, None] & mask_v[None, :], other=0.)
         acc = tl.dot(b_q.to(op), b_h.to(op), acc, input_precision=DOT_PREC)
@@ -295,13 +277,13 @@ def chunk_output_kernel(
     else:
         DV: tl.constexpr = exact_dtype(gv, gv, 0, True, 0)
         b = decay_k_in(DV, gv, gv, 0., row0, pos, mask_t, i_h, o_v, mask_v, H, V, 0, True, 0)
-        acc *= exp_(seg_sums(load_seg(segm, seg_inc(BT), o_t, DV), b, DV))
+        acc *= exp_(seg_sums(seg_matrix(o_t, 2 * BT, DV), b, DV))
         b_vf = b_v.to(tl.float32)
         for lvl in tl.static_range(BT.bit_length() - 1):
             hl = (BT // 2) >> lvl
             upper = (o_t & hl) != 0
             if hl > 1:
-                x = exp_(seg_sums(load_seg(segm, lvl, o_t, DV), b, DV))
+                x = exp_(seg_sums(seg_matrix(o_t, hl, DV), b, DV))
             else:
                 x = exp_(tl.where(upper[:, None], b.to(tl.float32), 0.))
             b_al = tl.where(level_mask(o_t, hl), b_a, 0.).to(op)

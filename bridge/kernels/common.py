@@ -279,52 +279,26 @@ def decay_k_in(DT: tl.constexpr, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask
         return acc
 
 
-def seg_count(BT: int) -> int:
-    """Matrices in a seg table: levels h = BT/2 .. 2 (index 0 ..), then the chunk's
-    reverse exclusive sums (seg_rev) and inclusive sums (seg_inc)."""
-    return BT.bit_length()
-
-
 @triton.jit
-def seg_rev(BT: tl.constexpr):
-    """Seg table index of the chunk's reverse exclusive sums (t+1..BT-1)."""
-    return BT.bit_length() - 2
-
-
-@triton.jit
-def seg_inc(BT: tl.constexpr):
-    """Seg table index of the chunk's inclusive sums (0..t)."""
-    return BT.bit_length() - 1
-
-
-@triton.jit
-def seg_matrix(o_t, h):
-    """[BT, BT] 0/1 fp32: the segmented-sum matrix of level h (a power of 2).
+def seg_matrix(o_t, h, DT: tl.constexpr):
+    """[BT, BT] 0/1 matrix of level h (a power of 2) for seg_sums, in its operand
+    dtype for decays in DT (bfloat16 when DT is float32: those are split).
     Positions form aligned segments of h; a row t in an odd segment (bit h of t
     set) sums its segment from the start to t, a row in an even one sums t+1 to
     the segment's end. h = BT: every row sums t+1..BT-1 (the chunk's reverse
-    exclusive sum); h = 2 BT: every row sums 0..t (inclusive)."""
-    upper = (o_t & h) != 0
+    exclusive sums); h = 2 BT: every row sums 0..t (inclusive)."""
+    upper = ((o_t & h) != 0) | (h > o_t.shape[0])
     same = (o_t[:, None] ^ o_t[None, :]) < h
-    keep = same & ((o_t[None, :] <= o_t[:, None]) == ((upper | (h > o_t.shape[0]))[:, None]))
-    return tl.where(keep, 1., 0.)
-
-
-@triton.jit
-def load_seg(segm, i, o_t, DT: tl.constexpr):
-    """Matrix i of the seg table, [BT, BT], as seg_sums' operand for decays in DT
-    (bfloat16 when DT is float32: those are split)."""
-    BT: tl.constexpr = o_t.shape[0]
-    c = tl.load(segm + i * BT * BT + o_t[:, None] * BT + o_t[None, :])
+    keep = same & ((o_t[None, :] <= o_t[:, None]) == upper[:, None])
     if DT == tl.float32:
-        return c.to(tl.bfloat16)
+        return tl.where(keep, 1., 0.).to(tl.bfloat16)
     else:
-        return c.to(DT)
+        return tl.where(keep, 1., 0.).to(DT)
 
 
 @triton.jit
 def seg_sums(c, a, DT: tl.constexpr):
-    """c @ a, fp32 [BT, BD], for a 0/1 matrix c (load_seg) and decays a
+    """c @ a, fp32 [BT, BD], for a 0/1 matrix c (seg_matrix) and decays a
     [BT, BD] from decay_k_in: fp32 sums of a's own values. One tensor-core
     product when a is exact in DT; an fp32 a is split into three bfloat16 parts
     (8 + 8 + 8 of its 24 significand bits, each part exact)."""
@@ -341,11 +315,11 @@ def seg_sums(c, a, DT: tl.constexpr):
 
 
 @triton.jit
-def level_mask(o_t, h: tl.constexpr):
+def level_mask(o_t, h):
     """[BT, BT]: the pairs t > s whose highest differing position bit is h: row t
     in an odd segment of h, column s in the even one just before it."""
-    r = o_t // h
-    return (r[:, None] - r[None, :] == 1) & ((r & 1) == 1)[:, None]
+    x = o_t[:, None] ^ o_t[None, :]
+    return (x >= h) & (x < 2 * h) & ((o_t & h) != 0)[:, None]
 
 
 @triton.jit
