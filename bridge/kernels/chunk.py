@@ -59,14 +59,13 @@ def warps(name: str, plan) -> int:
 def stages(name: str, plan) -> int:
     """Software-pipelining stages (cp.async prefetch of the loops' dot operands)
     of each kernel, chosen with the SASS report like `warps`."""
-    if name == "chunk_intra_kernel":
-        return 1 if plan.dtype == "float32" else 2
     return {"chunk_state_kernel": 2}.get(name, 1)
 
 
 def intra_bk(plan) -> int:
     """K block of chunk_intra_kernel: the largest with which its level products
-    build without spills on sm_80 and sm_90 (fp32 products are FMA loops)."""
+    build without spills on sm_80 and sm_90 (fp32 products are FMA loops) and
+    keep at most 8 bar.sync in a loop body (32 in 2 stages: 9)."""
     return 16 if plan.dtype == "float32" else 32
 
 

@@ -279,13 +279,9 @@ def chunk_output_kernel(
         b = decay_k_in(DV, gv, gv, 0., row0, pos, mask_t, i_h, o_v, mask_v, H, V, 0, True, 0)
         acc *= exp_(seg_sums(seg_matrix(o_t, 2 * BT, DV), b, DV))
         b_vf = b_v.to(tl.float32)
-        for lvl in tl.static_range(BT.bit_length() - 1):
+        for lvl in range(0, BT.bit_length() - 1):  # runtime, as chunk_intra_kernel's
             hl = (BT // 2) >> lvl
-            upper = (o_t & hl) != 0
-            if hl > 1:
-                x = exp_(seg_sums(seg_matrix(o_t, hl, DV), b, DV))
-            else:
-                x = exp_(tl.where(upper[:, None], b.to(tl.float32), 0.))
+            x = exp_(seg_sums(seg_matrix(o_t, hl, DV), b, DV))
             b_al = tl.where(level_mask(o_t, hl), b_a, 0.).to(op)
             acc += x * tl.dot(b_al, (b_vf * x).to(op), input_precision=DOT_PREC)
         if not PRIME:
