@@ -312,3 +312,49 @@ def test_unknown_family_and_compiled_cpu_launch_are_named_errors(monkeypatch):
     monkeypatch.setattr(kernels, "INTERPRETED", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         torch_runner.run(kernels.family("chunk").forward_launches(plan), t)
+
+
+@triton.jit
+def _seg_kernel(out, H: tl.constexpr, BT: tl.constexpr):
+    o_t = tl.arange(0, BT)
+    c = common.seg_matrix(o_t, H, tl.float32)
+    tl.store(out + o_t[:, None] * BT + o_t[None, :], c.to(tl.float32))
+
+
+def test_seg_matrices_sum_consecutive_decays():
+    """common.seg_matrix against sums written out here: level h (BT/2 .. 1)
+    sums, for a row t with bit h set, its aligned segment of h from the start to
+    t, else t+1 to the segment's end; h = BT the chunk's reverse exclusive sums,
+    h = 2 BT its inclusive sums. Applied to random decays, as seg_sums does."""
+    BT = chunk.BT
+    x = np.random.default_rng(0).standard_normal(BT)
+    for h in [BT >> i for i in range(1, BT.bit_length())] + [BT, 2 * BT]:
+        out = torch.empty(BT, BT)
+        _seg_kernel[(1,)](out, H=h, BT=BT)
+        got = out.numpy()
+        want = []
+        for t in range(BT):
+            if h > BT:
+                want.append(x[:t + 1].sum())
+            elif h == BT:
+                want.append(x[t + 1:].sum())
+            else:
+                start = t - t % h
+                want.append(x[start:t + 1].sum() if t & h else x[t + 1:start + h].sum())
+        assert set(np.unique(got)) <= {0.0, 1.0}, h
+        np.testing.assert_allclose(got @ x, np.array(want), rtol=0, atol=1e-12, err_msg=str(h))
+
+
+def test_grids_within_cuda_limits_for_many_sequences():
+    """4,096 packed sequences x 16 heads (N*H = 65,536): every chunk launch,
+    forward and backward, has a grid CUDA accepts (x < 2^31, y and z <= 65,535)."""
+    N, H = 4096, 16
+    q = np.zeros((1, 8 * N, H, 64), np.float32)
+    cu = np.arange(0, 8 * N + 1, 8, dtype=np.int32)
+    for kw in ({}, dict(g=np.zeros((1, 8 * N, H, 64), np.float32),
+                        gv=np.zeros((1, 8 * N, H, 64), np.float32))):
+        plan = contract.check(q, q, q, cu_seqlens=cu, initial_state=np.zeros((N, H, 64, 64),
+                                                                               np.float32), **kw)
+        for launch in chunk.forward_launches(plan) + chunk.backward_launches(plan, True):
+            grid = tuple(launch.grid) + (1, 1)
+            assert grid[0] < 2 ** 31 and max(grid[1:3]) <= 65535, (launch.kernel.__name__, grid)

@@ -1,16 +1,29 @@
 """mode="chunk": the launch plans of the chunked kernels (chunk_fwd.py, chunk_bwd.py).
 
-Forward: the state pass stores h at every chunk start, then two parallel
-launches build the intra-chunk matrix A and the output. Backward: h and A are
-recomputed (nothing but the inputs and the final state is kept from the
+Forward: state_launches (gate pre-passes, then the sequential state pass: h
+at every chunk start and the final state),
+intra_launch (the intra-chunk matrix A), output_launch (o). Backward: h and A
+are recomputed (nothing but the inputs and the final state is kept from the
 forward), the state pass runs backwards for dh, then parallel launches give
 dA, dv and dq/dk with the gate gradients from chunk-local reverse sums plus one
 carried term per chunk; see chunk_bwd.py.
 
+Buffers the backward reads from these launches:
+  kg, vg   [B,T,H,K|V] forward state operands (k, v gated to their chunk's end;
+           only with g/gk, gv), in k's dtype; qg, dog the backward's (q scale,
+           do gated from their chunk's start), in q's dtype;
+  decay_k, decay_v  [slots,H,K|V] fp32: e^(each chunk's sum of decays);
+  h, dh    [slots,H,K,V]: the state at every chunk start / its gradient at every
+           chunk end (bf16 for bf16 inputs, fp32 otherwise);
+  A        [B,T,H,BT]: scale q k^T with the decays, 0 above the diagonal; in q's
+           dtype for bf16/fp16 inputs unless intra_launch(fp32=True);
+  odo      [B,T,H,V] fp32 (output_launch(prime=True), gv only).
+
 Config (fixed, the same for the interpreter, torch and JAX launches, so that
-every path runs one variant): chunks of BT = 64 tokens, sub-chunks BC = 16,
-K and V blocks of up to 64; warps per kernel from `warps` (chosen with
-`python -m bridge.aot --report`).
+every path runs one variant): chunks of BT = 64 tokens, K and V blocks of up
+to 64 (the output kernel takes V up to 128 at once), warps and stages per kernel
+from `warps` and `stages` (chosen with the SASS of `python -m bridge.aot
+--report`). Every grid is one axis (x < 2^31 programs).
 fp32 inputs take exact ("ieee") products; GLA_BRIDGE_TF32=1 opts into tf32.
 States h/dh are stored in bf16 for bf16 inputs (they are bf16 dot operands
 anyway), in fp32 otherwise (fp16's range is too small for a state).
@@ -21,27 +34,39 @@ import os
 from ..launch import Launch, Out
 from .chunk_bwd import chunk_dA_kernel, chunk_dgamma_kernel, chunk_dqk_kernel, chunk_dv_kernel
 from .common import check_k, flags, gate_inputs, key_gated, next_pow2
-from .chunk_fwd import chunk_intra_kernel, chunk_output_kernel, chunk_state_kernel
+from .chunk_fwd import (chunk_gate_kernel, chunk_intra_kernel, chunk_output_kernel,
+                        chunk_state_kernel)
 
 BT = 64  # chunk length
 BC = 16  # sub-chunk length: no exponent differences two sums over more steps
 
 
 def warps(name: str, plan) -> int:
-    """Warps of each kernel: the fewest with which it builds without register
-    spills for sm_80 and sm_90 at K = V = 64 and 128 (`bridge.aot --report`,
-    gates key and all). Not monotone in warps (ptxas), hence per dtype and gv:
-    fp32 products are FMA loops (no MMA) and need more threads; gv adds the
-    sub-chunk pair paths; the state pass keeps 4 where its 64-row products can
-    use wgmma (sm_90 needs a multiple of 4 warps)."""
+    """Warps of each kernel, chosen with the SASS of `bridge.aot --report` (and
+    per-variant builds): the fewest with which it builds without register spills
+    for sm_80 and sm_90 at K = V = 64 and 128, and 4 wherever a product is a
+    64-row wgmma (more warps there duplicated the elementwise work feeding it).
+    fp32 products are FMA loops (no MMA) and need more threads."""
     fp32, gv = plan.dtype == "float32", plan.gv
-    if name == "chunk_state_kernel":
+    if name in ("chunk_state_kernel", "chunk_gate_kernel"):
         return 8 if fp32 else 4
-    if name == "chunk_output_kernel":
-        return 8 if fp32 or gv else 4
     if name == "chunk_dqk_kernel":
         return 4 if plan.dtype == "float16" and not gv else 8
-    return {"chunk_intra_kernel": 2, "chunk_dA_kernel": 8, "chunk_dv_kernel": 8}[name]
+    return {"chunk_intra_kernel": 4, "chunk_output_kernel": 4, "chunk_dA_kernel": 8,
+            "chunk_dv_kernel": 8}[name]
+
+
+def stages(name: str, plan) -> int:
+    """Software-pipelining stages (cp.async prefetch of the loops' dot operands)
+    of each kernel, chosen with the SASS report like `warps`."""
+    return {"chunk_state_kernel": 2}.get(name, 1)
+
+
+def intra_bk(plan) -> int:
+    """K block of chunk_intra_kernel: the largest with which its level products
+    build without spills on sm_80 and sm_90 (fp32 products are FMA loops) and
+    keep at most 8 bar.sync in a loop body (32 in 2 stages: 9)."""
+    return 16 if plan.dtype == "float32" else 32
 
 
 DQK_BV = {"float16": 16}
@@ -76,6 +101,10 @@ def _size(plan) -> int:
     return {"float32": 4, "float64": 8}.get(plan.dtype, 2)
 
 
+def _a_dtype(plan, fp32: bool) -> str:
+    return "like:q" if plan.dtype in ("bfloat16", "float16") and not fp32 else "float32"
+
+
 def _state_size(plan) -> int:
     return 4 if _state_dtype(plan) == "float32" else _size(plan)
 
@@ -93,45 +122,96 @@ def _consts(plan, c) -> dict:
 def _launch(plan, kernel, grid, inputs, scalars, outputs, consts, flops=0, nbytes=0, **extra):
     return Launch(kernel, grid=grid, inputs=inputs, scalars=scalars, outputs=outputs,
                   constexprs=_only(kernel, dict(consts, **extra)),
-                  num_warps=warps(kernel.__name__, plan), dot_flops=int(flops), bytes=int(nbytes))
+                  num_warps=warps(kernel.__name__, plan),
+                  num_stages=stages(kernel.__name__, plan), dot_flops=int(flops),
+                  bytes=int(nbytes))
 
 
-def state_launch(plan, backward: bool, use_s_in: bool, store_out: bool) -> Launch:
-    """The sequential pass: h at chunk starts + final state (forward), or dh at
-    chunk ends + d(initial_state) (backward)."""
+def gate_launch(plan, value: bool, backward: bool) -> Launch:
+    """chunk_gate_kernel for one side: forward, k (or v with `value`) gated to its
+    chunk's end as "kg" ("vg"); backward, q * scale (or do) gated from its chunk's
+    start as "qg" ("dog"), [B,T,H,D] in the state pass's operand dtype (the
+    forward's k, the backward's q); both with "decay_k" ("decay_v")
+    [slots,H,D] fp32, e^(each chunk's sum of decays)."""
+    c = config(plan)
+    B, T, H, N = plan.B, plan.T, plan.H, plan.N
+    D, BD = (plan.V, c["BV"]) if value else (plan.K, c["BK"])
+    ns, nd = slots(plan), -(-D // BD)
+    x = ("do" if value else "q") if backward else ("v" if value else "k")
+    heads = H if backward else plan.Hk
+    name = {(False, False): "kg", (False, True): "vg", (True, False): "qg",
+            (True, True): "dog"}[(backward, value)]
+    return _launch(plan, chunk_gate_kernel, (ns * H * nd,),
+                   (x, *gate_inputs(plan), "cu_seqlens" if plan.varlen else None),
+                   (plan.scale, T, N),
+                   (Out(name, (B, T, H, D), "like:q" if backward else "like:k"),
+                    Out("decay_v" if value else "decay_k", (ns, H, D))),
+                   _consts(plan, c), flops=2 * ns * H * BT * BT * D,
+                   nbytes=B * T * (heads + 2 * H) * D * _size(plan) + ns * H * D * 4,
+                   HX=heads, D=D, BD=BD, VALUE=value, BACKWARD=backward)
+
+
+def state_launches(plan, backward: bool, use_s_in: bool, store_out: bool) -> list:
+    """The sequential pass, after its parallel gate pre-passes (gate_launch, for
+    g/gk and for gv): h at chunk starts + final state (forward), or dh at chunk
+    ends + d(initial_state) (backward)."""
     c = config(plan)
     B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
     ns, isz = slots(plan), _size(plan)
     ssz = _state_size(plan)
-    gates = gate_inputs(plan)
+    pre_k = plan.g != "none" or plan.gk
+    pre = ([gate_launch(plan, False, backward)] if pre_k else []) + (
+        [gate_launch(plan, True, backward)] if plan.gv else [])
     cu = "cu_seqlens" if plan.varlen else None
+    gamma = "g_gamma" if plan.g_gamma != "none" else None
     if backward:
-        inputs = ("q", "do", *gates, "dfinal_state" if use_s_in else None, cu)
+        x, y = ("qg" if pre_k else "q"), ("dog" if plan.gv else "do")
+        hx, hy = H, H
         outputs = (Out("dh", (ns, H, K, V), _state_dtype(plan)),
                    Out("d_initial_state", (N, H, K, V)) if store_out else None)
-        heads = H
+        s_in = "dfinal_state" if use_s_in else None
     else:
-        inputs = ("k", "v", *gates, "initial_state" if use_s_in else None, cu)
+        x, y = ("kg" if pre_k else "k"), ("vg" if plan.gv else "v")
+        hx, hy = (H if pre_k else plan.Hk), (H if plan.gv else plan.Hk)
         outputs = (Out("h", (ns, H, K, V), _state_dtype(plan)),
                    Out("final_state", (N, H, K, V)) if store_out else None)
-        heads = plan.Hk
-    nbytes = (B * T * heads * (K + V) * isz + ns * H * K * V * ssz + 2 * N * H * K * V * 4)
-    return _launch(plan, chunk_state_kernel, (c["NK"], c["NV"], N * H), inputs, (plan.scale, T),
-                   outputs, _consts(plan, c), flops=2 * ns * BT * H * K * V, nbytes=nbytes,
-                   USE_S_IN=use_s_in, STORE_OUT=store_out, BACKWARD=backward)
+        s_in = "initial_state" if use_s_in else None
+    inputs = (x, y, "decay_k" if pre_k else None, "decay_v" if plan.gv else None, gamma, s_in,
+              cu)
+    nbytes = (B * T * (hx * K + hy * V) * isz + ns * H * K * V * ssz + 2 * N * H * K * V * 4)
+    return pre + [_launch(plan, chunk_state_kernel, (c["NK"] * c["NV"] * N * H,), inputs,
+                          (plan.scale, T), outputs, _consts(plan, c),
+                          flops=2 * ns * BT * H * K * V, nbytes=nbytes, HX=hx, HY=hy,
+                          USE_S_IN=use_s_in, STORE_OUT=store_out, BACKWARD=backward)]
 
 
-def intra_launch(plan) -> Launch:
+def intra_launch(plan, fp32: bool = False) -> Launch:
+    """A [B,T,H,BT]: fp32 when `fp32` (a gradient reads its values), else in
+    q's dtype for bf16/fp16 inputs (its consumers only take it as a dot operand)."""
     c = config(plan)
     B, T, H, K = plan.B, plan.T, plan.H, plan.K
-    ns, nc = slots(plan), BT // BC
-    return _launch(plan, chunk_intra_kernel, (ns * nc, H),
+    ns, levels = slots(plan), BT.bit_length() - 1
+    products = 2 * levels - 1 if key_gated(plan) else 1  # each level + its segmented sums
+    return _launch(plan, chunk_intra_kernel, (ns * H,),
                    ("q", "k", "g" if plan.g != "none" else None, "gk" if plan.gk else None,
                     "g_gamma" if plan.g_gamma != "none" else None,
                     "cu_seqlens" if plan.varlen else None),
-                   (plan.scale, T, plan.N), (Out("A", (B, T, H, BT)),), _consts(plan, c),
-                   flops=2 * ns * H * BC * BC * K * nc * (nc - 1) // 2,
-                   nbytes=B * T * (H + plan.Hk) * K * _size(plan) + B * T * H * BT * 4)
+                   (plan.scale, T, plan.N), (Out("A", (B, T, H, BT), _a_dtype(plan, fp32)),),
+                   _consts(plan, c),
+                   flops=2 * ns * H * BT * BT * K * products, BK=intra_bk(plan),
+                   nbytes=B * T * (H + plan.Hk) * K * _size(plan)
+                   + B * T * H * BT * (4 if _a_dtype(plan, fp32) == "float32" else 2))
+
+
+def output_bv(plan) -> int:
+    """V block of chunk_output_kernel: all of V up to 128 in one block, so the
+    key-side decay sums run once per chunk; 32 with gv's level products, 16 for
+    fp32 (FMA products): the largest that build without spills."""
+    if plan.dtype == "float32":
+        return 16
+    if plan.gv:
+        return 32
+    return min(128, max(16, next_pow2(plan.V)))
 
 
 def output_launch(plan, prime: bool = False) -> Launch:
@@ -139,21 +219,22 @@ def output_launch(plan, prime: bool = False) -> Launch:
     c = config(plan)
     B, T, H, K, V = plan.B, plan.T, plan.H, plan.K, plan.V
     ns, isz = slots(plan), _size(plan)
+    bv = output_bv(plan)
     out = Out("odo", (B, T, H, V)) if prime else Out("o", (B, T, H, V), "like:q")
     ssz = _state_size(plan)
     nbytes = (B * T * (H * K + plan.Hk * V + H * V * (2 if prime else 1)) * isz
-              + B * T * H * BT * 4 + ns * H * K * V * ssz)
-    return _launch(plan, chunk_output_kernel, (ns, c["NV"], H),
+              + B * T * H * BT * isz + ns * H * K * V * ssz)
+    return _launch(plan, chunk_output_kernel, (ns * H * -(-V // bv),),
                    ("q", "v", *gate_inputs(plan), "A", "h",
                     "cu_seqlens" if plan.varlen else None, "do" if prime else None),
                    (plan.scale, T, plan.N), (out,), _consts(plan, c),
-                   flops=2 * ns * BT * H * V * (K + BT), nbytes=nbytes, PRIME=prime)
+                   flops=2 * ns * BT * H * V * (K + BT), nbytes=nbytes, PRIME=prime, BV=bv)
 
 
 def forward_launches(plan) -> list:
     """Reads q, k, v, [g, gk, gv, g_gamma, initial_state, cu_seqlens]; writes
     o [B,T,H,V] (q's dtype) and final_state [N,H,K,V] fp32 (h, A on the way)."""
-    return [state_launch(plan, backward=False, use_s_in=plan.initial_state, store_out=True),
+    return [*state_launches(plan, backward=False, use_s_in=plan.initial_state, store_out=True),
             intra_launch(plan), output_launch(plan)]
 
 
@@ -170,9 +251,11 @@ def backward_launches(plan, use_dht: bool) -> list:
     own = plan.group == 1  # per-query-head dk/dv are the gradients themselves
     ssz = _state_size(plan)
     tokens = B * T
-    launches = [state_launch(plan, backward=False, use_s_in=plan.initial_state, store_out=False),
-                intra_launch(plan),
-                state_launch(plan, backward=True, use_s_in=use_dht, store_out=plan.initial_state)]
+    launches = [*state_launches(plan, backward=False, use_s_in=plan.initial_state,
+                                store_out=False),
+                intra_launch(plan, fp32=True),
+                *state_launches(plan, backward=True, use_s_in=use_dht,
+                                store_out=plan.initial_state)]
     if plan.gv:
         launches.append(output_launch(plan, prime=True))
     launches.append(_launch(

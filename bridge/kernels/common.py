@@ -136,6 +136,38 @@ def load_rows(x, rows, i_h, o_d, mask_t, mask_d, HX: tl.constexpr, D: tl.constex
 
 
 @triton.jit
+def block_pos(bos, eos, p0, BT: tl.constexpr, REVERSE: tl.constexpr):
+    """(row0, pos, mask) of processing positions p0..p0+BT-1: the token row of p0
+    (int64), each position's row offset from it [BT] (0 where masked, so every
+    address stays in bounds) and the mask. Tiles are then a scalar base plus
+    small offsets (load_tile), which keeps few address registers live."""
+    o = tl.arange(0, BT)
+    mask = o < (eos - bos - p0)
+    if REVERSE:
+        return eos - 1 - p0, tl.where(mask, -o, 0), mask
+    else:
+        return bos + p0, tl.where(mask, o, 0), mask
+
+
+@triton.jit
+def tile_ptrs(x, row0, pos, i_h, o_d, HX: tl.constexpr, D: tl.constexpr):
+    """Pointers [BT, BD] to x[row0 + pos, i_h, o_d] of a [*, HX, D] tensor."""
+    BT: tl.constexpr = pos.shape[0]
+    if BT * HX * D < 2 ** 31:
+        off = pos * (HX * D)
+    else:
+        off = pos.to(tl.int64) * (HX * D)
+    return x + (row0 * HX + i_h) * D + off[:, None] + o_d[None, :]
+
+
+@triton.jit
+def load_tile(x, row0, pos, i_h, o_d, mask_t, mask_d, HX: tl.constexpr, D: tl.constexpr):
+    """x[row0 + pos, i_h, o_d] as [BT, BD] in x's dtype, zeros where masked."""
+    return tl.load(tile_ptrs(x, row0, pos, i_h, o_d, HX, D),
+                   mask=mask_t[:, None] & mask_d[None, :], other=0.)
+
+
+@triton.jit
 def decay_k(g, gk, gamma, rows, mask_t, i_h, o_k, mask_k, H: tl.constexpr, K: tl.constexpr,
             BT: tl.constexpr, BK: tl.constexpr, G_MODE: tl.constexpr, USE_GK: tl.constexpr,
             GAMMA_MODE: tl.constexpr):
@@ -180,3 +212,127 @@ def decay_v(gv, rows, mask_t, i_h, o_v, mask_v, H: tl.constexpr, V: tl.constexpr
 def row_of(x, o_t, j):
     """Row j of a [BT, D] register tile as [D] (exact: the other rows add 0)."""
     return tl.sum(tl.where((o_t == j)[:, None], x, 0.), axis=0)
+
+
+# ------------------------------------------------------------ segmented decay sums
+# Exponents inside a chunk are sums of consecutive log decays (never differences
+# of running sums). They are computed as products c @ a with 0/1 matrices c, so
+# tensor cores do the scans: exact sums when a's values are exact dot operands.
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def exp_(x):
+    """e^x as one MUFU.EX2 (tl.exp adds denormal handling around it)."""
+    return tl.math.exp2(x * LOG2E)
+
+
+@triton.jit
+def op_dtype(x):
+    """The dtype of tl.dot operands made from pointer x's values: its own, but
+    float32 for float64 (computed in fp32, per the SPEC)."""
+    res: tl.constexpr = tl.float32 if x.dtype.element_ty == tl.float64 else x.dtype.element_ty
+    return res
+
+
+@triton.jit
+def exact_dtype(g, gk, G_MODE: tl.constexpr, USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr):
+    """The 16-bit dtype in which every key-side decay a = g + gk + gamma is exact
+    (one 16-bit gate source, no constant decay), else float32 (a is split)."""
+    if G_MODE > 0:
+        dt: tl.constexpr = g.dtype.element_ty
+    else:
+        dt: tl.constexpr = gk.dtype.element_ty
+    one: tl.constexpr = ((G_MODE > 0) != USE_GK) and (GAMMA_MODE == 0)
+    res: tl.constexpr = dt if one and (dt == tl.bfloat16 or dt == tl.float16) else tl.float32
+    return res
+
+
+@triton.jit
+def decay_k_in(DT: tl.constexpr, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k,
+               H: tl.constexpr, K: tl.constexpr, G_MODE: tl.constexpr, USE_GK: tl.constexpr,
+               GAMMA_MODE: tl.constexpr):
+    """Key-side log decays a = g + gk + gamma [BT, BK] of a block_pos tile (0 on
+    masked rows), in DT (exact_dtype): the one gate's own values when DT is
+    16-bit, else fp32."""
+    BT: tl.constexpr = pos.shape[0]
+    BK: tl.constexpr = o_k.shape[0]
+    if G_MODE == 1:
+        a = tl.load(g + row0 * H + i_h + pos * H, mask=mask_t, other=0.)
+        a = tl.broadcast_to(a[:, None], [BT, BK])
+    elif G_MODE == 2:
+        a = load_tile(g, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
+    if DT != tl.float32:
+        if G_MODE > 0:
+            return a
+        else:
+            return load_tile(gk, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
+    else:
+        acc = tl.zeros([BT, BK], dtype=tl.float32)
+        if G_MODE > 0:
+            acc += a.to(tl.float32)
+        if USE_GK:
+            acc += load_tile(gk, row0, pos, i_h, o_k, mask_t, mask_k, H, K).to(tl.float32)
+        if GAMMA_MODE > 0:
+            acc += tl.where(mask_t, gamma, 0.)[:, None]
+        return acc
+
+
+@triton.jit
+def seg_matrix(o_t, h, DT: tl.constexpr):
+    """[BT, BT] 0/1 matrix of level h (a power of 2) for seg_sums, in its operand
+    dtype for decays in DT (bfloat16 when DT is float32: those are split).
+    Positions form aligned segments of h; a row t in an odd segment (bit h of t
+    set) sums its segment from the start to t, a row in an even one sums t+1 to
+    the segment's end. h = BT: every row sums t+1..BT-1 (the chunk's reverse
+    exclusive sums); h = 2 BT: every row sums 0..t (inclusive)."""
+    upper = ((o_t & h) != 0) | (h > o_t.shape[0])
+    same = (o_t[:, None] ^ o_t[None, :]) < h
+    keep = same & ((o_t[None, :] <= o_t[:, None]) == upper[:, None])
+    if DT == tl.float32:
+        return tl.where(keep, 1., 0.).to(tl.bfloat16)
+    else:
+        return tl.where(keep, 1., 0.).to(DT)
+
+
+@triton.jit
+def seg_sums(c, a, DT: tl.constexpr):
+    """c @ a, fp32 [BT, BD], for a 0/1 matrix c (seg_matrix) and decays a
+    [BT, BD] from decay_k_in: fp32 sums of a's own values. One tensor-core
+    product when a is exact in DT; an fp32 a is split into three bfloat16 parts
+    (8 + 8 + 8 of its 24 significand bits, each part exact)."""
+    if DT == tl.float32:
+        hi = a.to(tl.bfloat16)
+        r = a - hi.to(tl.float32)
+        mid = r.to(tl.bfloat16)
+        lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+        s = tl.dot(c, hi)
+        s = tl.dot(c, mid, s)
+        return tl.dot(c, lo, s)
+    else:
+        return tl.dot(c, a)
+
+
+@triton.jit
+def level_mask(o_t, h):
+    """[BT, BT]: the pairs t > s whose highest differing position bit is h: row t
+    in an odd segment of h, column s in the even one just before it."""
+    x = o_t[:, None] ^ o_t[None, :]
+    return (x >= h) & (x < 2 * h) & ((o_t & h) != 0)[:, None]
+
+
+@triton.jit
+def load_qk_tile(q, k, row0, pos, i_h, i_hk, o_k, mask_t, use_q, mask_k, H: tl.constexpr,
+                 HK: tl.constexpr, K: tl.constexpr):
+    """[BT, BK] rows of q where use_q [BT], of k elsewhere, in q's dtype: one load
+    (each row's pointer is chosen) when q and k share a dtype."""
+    if q.dtype.element_ty == k.dtype.element_ty:
+        p_q = tile_ptrs(q, row0, pos, i_h, o_k, H, K)
+        p_k = tile_ptrs(k, row0, pos, i_hk, o_k, HK, K)
+        return tl.load(tl.where(use_q[:, None], p_q, p_k),
+                       mask=mask_t[:, None] & mask_k[None, :], other=0.)
+    else:
+        b_q = load_tile(q, row0, pos, i_h, o_k, mask_t & use_q, mask_k, H, K)
+        b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t & ~use_q, mask_k, HK, K)
+        return tl.where(use_q[:, None], b_q, b_k.to(q.dtype.element_ty))
