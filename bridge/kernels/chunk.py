@@ -76,6 +76,10 @@ def _size(plan) -> int:
     return {"float32": 4, "float64": 8}.get(plan.dtype, 2)
 
 
+def _a_dtype(plan, fp32: bool) -> str:
+    return "like:q" if plan.dtype in ("bfloat16", "float16") and not fp32 else "float32"
+
+
 def _state_size(plan) -> int:
     return 4 if _state_dtype(plan) == "float32" else _size(plan)
 
@@ -96,9 +100,10 @@ def _launch(plan, kernel, grid, inputs, scalars, outputs, consts, flops=0, nbyte
                   num_warps=warps(kernel.__name__, plan), dot_flops=int(flops), bytes=int(nbytes))
 
 
-def state_launch(plan, backward: bool, use_s_in: bool, store_out: bool) -> Launch:
+def state_launches(plan, backward: bool, use_s_in: bool, store_out: bool) -> list:
     """The sequential pass: h at chunk starts + final state (forward), or dh at
-    chunk ends + d(initial_state) (backward)."""
+    chunk ends + d(initial_state) (backward); a list, as parallel pre-passes may
+    precede it."""
     c = config(plan)
     B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
     ns, isz = slots(plan), _size(plan)
@@ -116,12 +121,14 @@ def state_launch(plan, backward: bool, use_s_in: bool, store_out: bool) -> Launc
                    Out("final_state", (N, H, K, V)) if store_out else None)
         heads = plan.Hk
     nbytes = (B * T * heads * (K + V) * isz + ns * H * K * V * ssz + 2 * N * H * K * V * 4)
-    return _launch(plan, chunk_state_kernel, (c["NK"], c["NV"], N * H), inputs, (plan.scale, T),
-                   outputs, _consts(plan, c), flops=2 * ns * BT * H * K * V, nbytes=nbytes,
-                   USE_S_IN=use_s_in, STORE_OUT=store_out, BACKWARD=backward)
+    return [_launch(plan, chunk_state_kernel, (c["NK"], c["NV"], N * H), inputs,
+                    (plan.scale, T), outputs, _consts(plan, c), flops=2 * ns * BT * H * K * V,
+                    nbytes=nbytes, USE_S_IN=use_s_in, STORE_OUT=store_out, BACKWARD=backward)]
 
 
-def intra_launch(plan) -> Launch:
+def intra_launch(plan, fp32: bool = False) -> Launch:
+    """A [B,T,H,BT]: fp32 when `fp32` (a gradient reads its values), else in
+    q's dtype for bf16/fp16 inputs (its consumers only take it as a dot operand)."""
     c = config(plan)
     B, T, H, K = plan.B, plan.T, plan.H, plan.K
     ns, nc = slots(plan), BT // BC
@@ -129,9 +136,11 @@ def intra_launch(plan) -> Launch:
                    ("q", "k", "g" if plan.g != "none" else None, "gk" if plan.gk else None,
                     "g_gamma" if plan.g_gamma != "none" else None,
                     "cu_seqlens" if plan.varlen else None),
-                   (plan.scale, T, plan.N), (Out("A", (B, T, H, BT)),), _consts(plan, c),
+                   (plan.scale, T, plan.N), (Out("A", (B, T, H, BT), _a_dtype(plan, fp32)),),
+                   _consts(plan, c),
                    flops=2 * ns * H * BC * BC * K * nc * (nc - 1) // 2,
-                   nbytes=B * T * (H + plan.Hk) * K * _size(plan) + B * T * H * BT * 4)
+                   nbytes=B * T * (H + plan.Hk) * K * _size(plan)
+                   + B * T * H * BT * (4 if _a_dtype(plan, fp32) == "float32" else 2))
 
 
 def output_launch(plan, prime: bool = False) -> Launch:
@@ -153,7 +162,7 @@ def output_launch(plan, prime: bool = False) -> Launch:
 def forward_launches(plan) -> list:
     """Reads q, k, v, [g, gk, gv, g_gamma, initial_state, cu_seqlens]; writes
     o [B,T,H,V] (q's dtype) and final_state [N,H,K,V] fp32 (h, A on the way)."""
-    return [state_launch(plan, backward=False, use_s_in=plan.initial_state, store_out=True),
+    return [*state_launches(plan, backward=False, use_s_in=plan.initial_state, store_out=True),
             intra_launch(plan), output_launch(plan)]
 
 
@@ -170,9 +179,11 @@ def backward_launches(plan, use_dht: bool) -> list:
     own = plan.group == 1  # per-query-head dk/dv are the gradients themselves
     ssz = _state_size(plan)
     tokens = B * T
-    launches = [state_launch(plan, backward=False, use_s_in=plan.initial_state, store_out=False),
-                intra_launch(plan),
-                state_launch(plan, backward=True, use_s_in=use_dht, store_out=plan.initial_state)]
+    launches = [*state_launches(plan, backward=False, use_s_in=plan.initial_state,
+                                store_out=False),
+                intra_launch(plan, fp32=True),
+                *state_launches(plan, backward=True, use_s_in=use_dht,
+                                store_out=plan.initial_state)]
     if plan.gv:
         launches.append(output_launch(plan, prime=True))
     launches.append(_launch(
