@@ -19,7 +19,8 @@ anyway), in fp32 otherwise (fp16's range is too small for a state).
 import os
 
 from ..launch import Launch, Out
-from .chunk_bwd import chunk_dA_kernel, chunk_dgamma_kernel, chunk_dqk_kernel, chunk_dv_kernel
+from .chunk_bwd import (chunk_dA_kernel, chunk_dgamma_kernel, chunk_dqk_kernel, chunk_dv_kernel,
+                        chunk_scan_table_kernel)
 from .common import check_k, flags, gate_inputs, key_gated, next_pow2
 from .chunk_fwd import chunk_intra_kernel, chunk_output_kernel, chunk_state_kernel
 
@@ -40,12 +41,13 @@ def warps(name: str, plan) -> int:
     if name == "chunk_output_kernel":
         return 8 if fp32 or gv else 4
     if name == "chunk_dqk_kernel":
-        return 4 if plan.dtype == "float16" and not gv else 8
+        return 8 if fp32 else 4
     return {"chunk_intra_kernel": 2, "chunk_dA_kernel": 8, "chunk_dv_kernel": 8}[name]
 
 
-DQK_BV = {"float16": 16}
-DQK_BV_DEFAULT = 32
+DQK_BK = {}
+DQK_BK_DEFAULT = 32
+LEVELS = BT.bit_length() - 1  # pairs inside a chunk split by their highest differing bit
 
 
 def config(plan) -> dict:
@@ -91,13 +93,21 @@ def _only(kernel, consts: dict) -> dict:
 
 def _consts(plan, c) -> dict:
     return dict(flags(plan), BT=BT, BC=BC, BK=c["BK"], BV=c["BV"], USE_H0=plan.initial_state,
-                LOG_N=max(1, int(plan.N).bit_length()), DOT_PREC=dot_precision())
+                LOG_N=max(1, int(plan.N).bit_length()), LEVELS=LEVELS, DOT_PREC=dot_precision())
 
 
 def _launch(plan, kernel, grid, inputs, scalars, outputs, consts, flops=0, nbytes=0, **extra):
     return Launch(kernel, grid=grid, inputs=inputs, scalars=scalars, outputs=outputs,
                   constexprs=_only(kernel, dict(consts, **extra)),
                   num_warps=warps(kernel.__name__, plan), dot_flops=int(flops), bytes=int(nbytes))
+
+
+def scan_table_launch(plan) -> Launch:
+    """The constant 0/1 matrices of chunk_scan_table_kernel, in q's dtype."""
+    return Launch(chunk_scan_table_kernel, grid=(LEVELS + 2,), inputs=(), scalars=(),
+                  outputs=(Out("scan_table", (LEVELS + 2, BT, BT), "like:q"),),
+                  constexprs=dict(BT=BT, LEVELS=LEVELS), num_warps=4,
+                  bytes=(LEVELS + 2) * BT * BT * _size(plan))
 
 
 def state_launches(plan, backward: bool, use_s_in: bool, store_out: bool) -> list:
@@ -184,13 +194,13 @@ def backward_launches(plan, use_dht: bool) -> list:
                 intra_launch(plan, fp32=True),
                 *state_launches(plan, backward=True, use_s_in=use_dht,
                                 store_out=plan.initial_state)]
-    if plan.gv:
+    launches.append(scan_table_launch(plan))
+    if plan.gv:  # value-side decays do not factor out of dA: their own pass
         launches.append(output_launch(plan, prime=True))
-    launches.append(_launch(
-        plan, chunk_dA_kernel, (ns * (nc if plan.gv else 1), H),
-        ("v", "gv" if plan.gv else None, "do", cu), (T, N), (Out("dA", (B, T, H, BT)),), consts,
-        flops=2 * ns * H * BT * BT * V // (2 if plan.gv else 1),
-        nbytes=tokens * (H + plan.Hk) * V * isz + tokens * H * BT * 4))
+        launches.append(_launch(
+            plan, chunk_dA_kernel, (ns * nc, H), ("v", "gv", "do", cu), (T, N),
+            (Out("dA", (B, T, H, BT)),), consts, flops=ns * H * BT * BT * V,
+            nbytes=tokens * (H + plan.Hk) * V * isz + tokens * H * BT * 4))
     launches.append(_launch(
         plan, chunk_dv_kernel, (ns, c["NV"], H),
         ("k", "v", *gates, "A", "h", "dh", "final_state" if plan.gv else None,
@@ -200,25 +210,28 @@ def backward_launches(plan, use_dht: bool) -> list:
         flops=2 * ns * BT * H * V * (BT + K),
         nbytes=(tokens * (plan.Hk * K + H * V * 2) * isz + tokens * H * BT * 4
                 + ns * H * K * V * ssz)))
+    bk = DQK_BK.get(plan.dtype, min(c["BK"], DQK_BK_DEFAULT))
+    nk = -(-K // bk)
     launches.append(_launch(
-        plan, chunk_dqk_kernel, (ns, c["NK"], H),
-        ("q", "k", "v", *gates, "h", "dh", "final_state" if kgate else None,
-         "A" if plan.g_gamma != "none" else None, "dA", cu, "do"),
+        plan, chunk_dqk_kernel, (ns, nk, H),
+        ("q", "k", "v", *gates, "h", "dh", "A" if plan.g_gamma != "none" else None,
+         "dA" if plan.gv else None, "scan_table", cu, "do"),
         (plan.scale, T, N),
         (Out("dq", (B, T, H, K), "like:q"),
          Out("dk_h", (B, T, H, K), "like:k" if own else "float32"),
          Out("da", (B, T, H, K), "like:g" if plan.g == "key" else "like:gk")
          if plan.g == "key" or plan.gk else None,
-         Out("dg_head", (c["NK"], B, T, H)) if plan.g == "head" else None,
-         Out("dgamma_part", (c["NK"], ns, H)) if plan.g_gamma != "none" else None),
-        dict(consts, BV=min(c["BV"], DQK_BV.get(plan.dtype, DQK_BV_DEFAULT))),
-        flops=2 * ns * BT * H * K * (2 * V + BT),
-        nbytes=(tokens * (2 * H * K + plan.Hk * (K + V) + H * V) * isz + tokens * H * BT * 4
-                + 2 * ns * H * K * V * ssz)))
+         Out("dg_head", (nk, B, T, H)) if plan.g == "head" else None,
+         Out("dgamma_part", (nk, ns, H)) if plan.g_gamma != "none" else None),
+        dict(consts, BK=bk),
+        flops=2 * ns * BT * H * K * (2 * V + (2 + LEVELS + 2 * LEVELS) * BT)
+        + (0 if plan.gv else 2 * 2 * ns * BT * BT * H * V * nk),
+        nbytes=(tokens * (2 * H * K + plan.Hk * (K + V) + H * V) * isz
+                + (tokens * H * BT * 4 if plan.gv else 0) + 2 * ns * H * K * V * ssz)))
     if plan.g_gamma != "none":
         launches.append(Launch(
             chunk_dgamma_kernel, grid=(N, H), inputs=("dgamma_part", cu), scalars=(T, ns),
             outputs=(Out("dgamma", (N, H)),),
-            constexprs=dict(H=H, BT=BT, NK=c["NK"], IS_VARLEN=plan.varlen), num_warps=1,
-            bytes=(c["NK"] * ns + N) * H * 4))
+            constexprs=dict(H=H, BT=BT, NK=nk, IS_VARLEN=plan.varlen), num_warps=1,
+            bytes=(nk * ns + N) * H * 4))
     return launches

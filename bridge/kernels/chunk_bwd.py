@@ -25,6 +25,8 @@ import triton.language as tl
 from .common import (block_rows, decay_k, decay_k_between, decay_v, first_slot, head_gamma,
                      load_rows, next_rows, row_of, seq_bounds, slot_chunk)
 
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E): one MUFU.EX2
+
 
 @triton.jit
 def _sub_decay_k(g, gk, gamma, bos, eos, p0, i, i_h, o_k, mask_k, H: tl.constexpr,
@@ -284,19 +286,71 @@ def chunk_dv_kernel(
 
 
 @triton.jit
+def chunk_scan_table_kernel(tab, BT: tl.constexpr, LEVELS: tl.constexpr):
+    """The 0/1 matrices [NSCAN, BT, BT] whose products with a [BT, D] tile of
+    per-step log decays give the sums the chunk kernels exponentiate (every one
+    a sum of consecutive decays, so <= 0 for gates <= 0). Matrix l < LEVELS
+    (level w = 2^l): row t sums over t's aligned w-block, from its start to t
+    when bit l of t is set, else from t + 1 to its end (so F_w(t) F_w(s) is
+    the decay from s to t for every pair whose highest differing bit is l).
+    Matrix LEVELS (= log2 BT): from the chunk start to t; LEVELS + 1: from t + 1
+    to the end. One program per matrix."""
+    i = tl.program_id(0)
+    t = tl.arange(0, BT)[:, None]
+    r = tl.arange(0, BT)[None, :]
+    upper = ((t >> i) & 1) == 1
+    m = ((t >> i) == (r >> i)) & tl.where(upper, r <= t, r > t)
+    m = tl.where(i == LEVELS, r <= t, m)
+    m = tl.where(i == LEVELS + 1, r > t, m)
+    tl.store(tab + i * BT * BT + t * BT + r, tl.where(m, 1., 0.).to(tab.dtype.element_ty))
+
+
+@triton.jit
+def _scan(tab, idx, a0, a1, a2, BT: tl.constexpr, PIECES: tl.constexpr, PREC: tl.constexpr):
+    """Table matrix `idx` times the decays a0 + a1 + a2 [BT, D] (PIECES of
+    them: a tile in the table's dtype holds the decays exactly only when they
+    are one gate of that dtype), fp32 [BT, D]."""
+    o_t = tl.arange(0, BT)
+    m = tl.load(tab + idx * BT * BT + o_t[:, None] * BT + o_t[None, :])
+    s = tl.dot(m, a0, input_precision=PREC)
+    if PIECES > 1:
+        s += tl.dot(m, a1, input_precision=PREC)
+        s += tl.dot(m, a2, input_precision=PREC)
+    return s
+
+
+@triton.jit
 def chunk_dqk_kernel(
-    q, k, v, g, gk, gv, g_gamma, h, dh, final_state, A, dA, cu_seqlens, do,
+    q, k, v, g, gk, gv, g_gamma, h, dh, A, dA, tab, cu_seqlens, do,
     scale, T, N,
     dq, dk, da, dg_part, dgamma_part,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     G_MODE: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr, GAMMA_MODE: tl.constexpr,
     USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr, LOG_N: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    LEVELS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """dq [B,T,H,K], dk per query head [B,T,H,K], and the key-gate gradients
     for one chunk and K block: da [B,T,H,K] (g [B,T,H,K] / gk), its sum over the
     block per row dg_part [NK,B,T,H] (g [B,T,H]), per chunk dgamma_part [NK,slots,H].
+
+    Through the states: dq = scale (do gated) h^T, dk = (v gated) dh^T, one
+    [BT, BV] x [BV, BK] product each per V block, then row-scaled by the decay
+    from the chunk start / to its end. Inside the chunk: dA = do v^T (with gv,
+    the value-decayed dA of chunk_dA_kernel), split by the highest bit in which
+    a pair's positions t > s differ: level l's pairs take the decay from s to t
+    as F_l(t) F_l(s) (chunk_scan_table_kernel), so each level is one product
+    (dA masked to the level) x (k F_l) for dq and (dA^T masked) x (q F_l) for
+    dk, scaled by F_l on the rows it reaches: one exponential tile per level
+    serves both.
+
+    Gate gradients (notation of fused_recurrent.py): da_t = sum_{t' >= t in
+    the chunk} (q dq' - k dk')_t' + carried, the primed gradients leaving out a
+    step's own q.k term, and carried = everything after the chunk =
+    sum_V dh_end S_end, with S_end = (h_start decayed over the chunk) + the
+    chunk's own k v^T terms: exp(A_c) sum_V dh_end h_start exp(B_c) + sum_t k_t
+    dk_state_t, from the same rounded products as dk' (so that the parts of
+    dk' and carried that cancel are the same numbers).
 
     dgamma is not summed from da: sum_t da_t adds (position + 1)-weighted terms
     whose difference is the (t - s)-weighted pair term, so fp32 error would grow
@@ -306,142 +360,127 @@ def chunk_dqk_kernel(
     i_s, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (H // HK)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
-    NC: tl.constexpr = BT // BC
     i_n, bos, eos, p0 = slot_chunk(cu_seqlens, i_s, T, N, BT, IS_VARLEN, LOG_N)
     if p0 >= eos - bos:
         return
     gamma = head_gamma(g_gamma, i_n, i_h, H, GAMMA_MODE)
-    o_c = tl.arange(0, BC)
+    o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     mask_k = o_k < K
+    rows, mask_t = block_rows(bos, eos, p0, BT, REVERSE)
+    m_tk = mask_t[:, None] & mask_k[None, :]
     p_h = h + (i_s * H + i_h).to(tl.int64) * K * V
     p_dh = dh + (i_s * H + i_h).to(tl.int64) * K * V
     op = q.dtype.element_ty
-    last = p0 + BT >= eos - bos
+    b_q = load_rows(q, rows, i_h, o_k, mask_t, mask_k, H, K)
+    b_k = load_rows(k, rows, i_hk, o_k, mask_t, mask_k, HK, K)
 
-    # sum_V dh_end * S_end: the gate gradient of everything after this chunk
-    carried = tl.zeros([BK], dtype=tl.float32)
-    start = tl.zeros([BK], dtype=tl.float32)  # sum_V dh_end * h_start * exp(B_e), for dgamma
-    rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
+    # the key-side decays, split into pieces the table's dtype holds exactly
+    EXACT: tl.constexpr = (((G_MODE == 2) and not USE_GK) or ((G_MODE == 0) and USE_GK)) and (
+        GAMMA_MODE == 0) and (g.dtype.element_ty == op) and (gk.dtype.element_ty == op)
+    WIDE: tl.constexpr = (op == tl.float32) or (op == tl.float64)
+    PIECES: tl.constexpr = 1 if (EXACT or WIDE or not KGATE) else 3
+    a = decay_k(g, gk, gamma, rows, mask_t, i_h, o_k, mask_k, H, K, BT, BK, G_MODE, USE_GK,
+                GAMMA_MODE)
+    a0 = a.to(op)
+    a1 = a0
+    a2 = a0
+    if PIECES > 1:
+        r1 = a - a0.to(tl.float32)
+        a1 = r1.to(op)
+        a2 = (r1 - a1.to(tl.float32)).to(op)
+
+    # through the states, and dA = do v^T for the pairs inside the chunk
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_da = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dat = tl.zeros([BT, BT], dtype=tl.float32)
+    start = tl.zeros([BK], dtype=tl.float32)  # sum_V dh_end h_start exp(B_c)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        mask_v = o_v < V
+        m_kv = mask_k[:, None] & mask_v[None, :]
+        b_do = load_rows(do, rows, i_h, o_v, mask_t, mask_v, H, V)
+        b_v = load_rows(v, rows, i_hk, o_v, mask_t, mask_v, HK, V)
+        b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        if not USE_GV:
+            b_da += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
+            b_dat += tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
+            if KGATE:
+                start += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
+        else:
+            b = decay_v(gv, rows, mask_t, i_h, o_v, mask_v, H, V, USE_GV, BT, BV)
+            b0 = b.to(op)
+            r1 = b - b0.to(tl.float32)
+            b1 = r1.to(op)
+            b2 = (r1 - b1.to(tl.float32)).to(op)
+            PV: tl.constexpr = 1 if WIDE else 3
+            lb = _scan(tab, LEVELS, b0, b1, b2, BT, PV, "ieee")
+            rb = _scan(tab, LEVELS + 1, b0, b1, b2, BT, PV, "ieee")
+            b_do = (b_do.to(tl.float32) * tl.exp2(lb * LOG2E)).to(op)
+            b_v = (b_v.to(tl.float32) * tl.exp2(rb * LOG2E)).to(op)
+            if KGATE:
+                b_e = tl.exp2(tl.sum(b, 0) * LOG2E)
+                start += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32) * b_e[None, :], 1)
+        b_dq += tl.dot(b_do, tl.trans(b_h.to(op)), input_precision=DOT_PREC)
+        b_dk += tl.dot(b_v, tl.trans(b_dh.to(op)), input_precision=DOT_PREC)
+    if USE_GV:
+        p_a = dA + (rows[:, None] * H + i_h) * BT + o_t[None, :]
+        b_da = tl.load(p_a, mask=mask_t[:, None], other=0.)
+        b_dat = tl.load(dA + (rows[None, :] * H + i_h) * BT + o_t[:, None], mask=mask_t[None, :],
+                        other=0.)
     if KGATE:
-        for i_v in range(0, tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            mask_v = o_v < V
-            m_kv = mask_k[:, None] & mask_v[None, :]
-            b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv,
-                           other=0.).to(tl.float32)
-            s_end = _end_state(h, final_state, i_s, i_n, last, o_k, mask_k, o_v, mask_v, H, K, V,
-                               i_h)
-            carried += tl.sum(b_dh * s_end, 1)
-            if GAMMA_MODE > 0:
-                b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv,
-                              other=0.).to(tl.float32)
-                b_e = tl.sum(decay_v(gv, rows_c, mask_c, i_h, o_v, mask_v, H, V, USE_GV, BT, BV), 0)
-                start += tl.sum(b_dh * b_h * tl.exp(b_e)[None, :], 1)
-    suffix = tl.zeros([BK], dtype=tl.float32)
-    dgamma = tl.zeros([BK], dtype=tl.float32)
-    for ii in range(0, NC):  # sub-chunks last to first, for the reverse sums
-        i = NC - 1 - ii
-        rows_i, mask_i = block_rows(bos, eos, p0 + i * BC, BC, REVERSE)
-        m_i = mask_i[:, None] & mask_k[None, :]
-        b_q = load_rows(q, rows_i, i_h, o_k, mask_i, mask_k, H, K).to(tl.float32)
-        b_k = load_rows(k, rows_i, i_hk, o_k, mask_i, mask_k, HK, K).to(tl.float32)
-        l_i, r_i, pre_a, post_a = _sub_decay_k(g, gk, gamma, bos, eos, p0, i, i_h, o_k, mask_k, H,
-                                               K, BT, BC, BK, G_MODE, USE_GK, GAMMA_MODE, REVERSE)
-        # through the states: the chunk start's h and the chunk end's dh
-        b_dq = tl.zeros([BC, BK], dtype=tl.float32)
-        b_dk = tl.zeros([BC, BK], dtype=tl.float32)
-        for i_v in range(0, tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            mask_v = o_v < V
-            m_kv = mask_k[:, None] & mask_v[None, :]
-            b_do = load_rows(do, rows_i, i_h, o_v, mask_i, mask_v, H, V).to(tl.float32)
-            b_v = load_rows(v, rows_i, i_hk, o_v, mask_i, mask_v, HK, V).to(tl.float32)
-            if USE_GV:
-                lb_i, rb_i, pre_b, post_b = _sub_decay_v(gv, bos, eos, p0, i, i_h, o_v, mask_v, H,
-                                                         V, BT, BC, BV, USE_GV, REVERSE)
-                b_do *= tl.exp(lb_i + pre_b[None, :])
-                b_v *= tl.exp(rb_i + post_b[None, :])
-            b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-            b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-            b_dq += tl.dot(b_do.to(op), tl.trans(b_h.to(op)), input_precision=DOT_PREC)
-            b_dk += tl.dot(b_v.to(op), tl.trans(b_dh.to(op)), input_precision=DOT_PREC)
-        b_dq *= scale * tl.exp(l_i + pre_a[None, :])
-        b_dk *= tl.exp(r_i + post_a[None, :])
-        if GAMMA_MODE > 0:
-            pos = (i * BC + o_c).to(tl.float32)[:, None]
-            n_c = tl.minimum(eos - bos - p0, BT).to(tl.float32)
-            dgamma += tl.sum((pos + 1.) * b_q * b_dq + (n_c - 1. - pos) * b_k * b_dk, 0)
-        # inside the chunk: earlier sub-chunks j < i for dq, later ones for dk
-        p_da = dA + (rows_i[:, None] * H + i_h) * BT + o_c[None, :]
-        for j in range(0, i):
-            rows_j, mask_j = block_rows(bos, eos, p0 + j * BC, BC, REVERSE)
-            _l, r_j, _p, _q = _sub_decay_k(g, gk, gamma, bos, eos, p0, j, i_h, o_k, mask_k, H, K,
-                                           BT, BC, BK, G_MODE, USE_GK, GAMMA_MODE, REVERSE)
-            m_ij = decay_k_between(g, gk, gamma, bos, eos, p0, j, i, i_h, o_k, mask_k, H, K, BT,
-                                   BC, BK, G_MODE, USE_GK, GAMMA_MODE, REVERSE)
-            b_kj = load_rows(k, rows_j, i_hk, o_k, mask_j, mask_k, HK, K).to(tl.float32)
-            b_daij = tl.load(p_da + j * BC, mask=mask_i[:, None], other=0.)
-            b_dq += scale * tl.exp(l_i) * tl.dot(
-                b_daij.to(op), (b_kj * tl.exp(r_j + m_ij[None, :])).to(op),
-                input_precision=DOT_PREC)
-        for j in range(i + 1, NC):
-            rows_j, mask_j = block_rows(bos, eos, p0 + j * BC, BC, REVERSE)
-            l_j, _r, _p, _q = _sub_decay_k(g, gk, gamma, bos, eos, p0, j, i_h, o_k, mask_k, H, K,
-                                           BT, BC, BK, G_MODE, USE_GK, GAMMA_MODE, REVERSE)
-            m_ij = decay_k_between(g, gk, gamma, bos, eos, p0, i, j, i_h, o_k, mask_k, H, K, BT,
-                                   BC, BK, G_MODE, USE_GK, GAMMA_MODE, REVERSE)
-            b_qj = load_rows(q, rows_j, i_h, o_k, mask_j, mask_k, H, K).to(tl.float32)
-            b_daji = tl.load(dA + (rows_j[:, None] * H + i_h) * BT + i * BC + o_c[None, :],
-                             mask=mask_j[:, None], other=0.)
-            b_dk += scale * tl.exp(r_i + m_ij[None, :]) * tl.dot(
-                tl.trans(b_daji.to(op)), (b_qj * tl.exp(l_j)).to(op), input_precision=DOT_PREC)
-        # the diagonal block, elementwise; the primed sums leave out t = s
-        b_daii = tl.load(p_da + i * BC, mask=mask_i[:, None], other=0.)
-        for u in range(0, BC):
-            after = (o_c > u)[:, None]   # rows t > u, for dq
-            before = (o_c < u)[:, None]  # rows s < u, for dk
-            k_u, q_u, l_u = row_of(b_k, o_c, u), row_of(b_q, o_c, u), row_of(l_i, o_c, u)
-            col_u = tl.sum(tl.where(o_c[None, :] == u, b_daii, 0.), 1)  # dA[t, u]
-            row_u = row_of(b_daii, o_c, u)                               # dA[u, s]
-            d_q = tl.exp(tl.where(after, l_i - l_u[None, :], 0.))
-            d_k = tl.exp(tl.where(before, l_u[None, :] - l_i, 0.))
-            b_dq += tl.where(after, scale * col_u[:, None] * k_u[None, :] * d_q, 0.)
-            b_dk += tl.where(before, scale * row_u[:, None] * q_u[None, :] * d_k, 0.)
-        d_self = scale * tl.sum(tl.where(o_c[:, None] == o_c[None, :], b_daii, 0.), 1)
-        tl.store(dq + (rows_i[:, None] * H + i_h) * K + o_k[None, :],
-                 (b_dq + d_self[:, None] * b_k).to(dq.dtype.element_ty), mask=m_i)
-        tl.store(dk + (rows_i[:, None] * H + i_h) * K + o_k[None, :],
-                 (b_dk + d_self[:, None] * b_q).to(dk.dtype.element_ty), mask=m_i)
-        if KGATE:
-            x = b_q * b_dq - b_k * b_dk
-            b_da = tl.cumsum(x, 0, reverse=True) + (suffix + carried)[None, :]
-            suffix += tl.sum(x, 0)
-            if not USE_H0:
-                # a sequence's first decay acts on a zero state: its gradient is 0
-                # exactly (the sum above would leave fp32 noise of cancelled terms)
-                b_da = tl.where(((o_c == 0) & (p0 + i * BC == 0))[:, None], 0., b_da)
-            b_da = tl.where(m_i, b_da, 0.)
-            if (G_MODE == 2) or USE_GK:
-                tl.store(da + (rows_i[:, None] * H + i_h) * K + o_k[None, :],
-                         b_da.to(da.dtype.element_ty), mask=m_i)
-            if G_MODE == 1:
-                n_rows = T if IS_VARLEN else N * T
-                tl.store(dg_part + ((i_k * n_rows + rows_i) * H + i_h), tl.sum(b_da, 1),
-                         mask=mask_i)
+        SP: tl.constexpr = "ieee"
+        b_dq *= tl.exp2(_scan(tab, LEVELS, a0, a1, a2, BT, PIECES, SP) * LOG2E)
+        b_dk *= tl.exp2(_scan(tab, LEVELS + 1, a0, a1, a2, BT, PIECES, SP) * LOG2E)
+    b_dq *= scale
+    # the carried term: everything after this chunk
+    carried = tl.sum(b_k.to(tl.float32) * b_dk, 0)
+    if KGATE:
+        carried += start * tl.exp2(tl.sum(a, 0) * LOG2E)
     if GAMMA_MODE > 0:
+        pos = o_t.to(tl.float32)[:, None]
         n_c = tl.minimum(eos - bos - p0, BT).to(tl.float32)
-        a_e = tl.sum(decay_k(g, gk, gamma, rows_c, mask_c, i_h, o_k, mask_k, H, K, BT, BK, G_MODE,
-                             USE_GK, GAMMA_MODE), 0)
-        total = tl.sum(dgamma + n_c * start * tl.exp(a_e), 0)
+        dgamma = tl.sum(tl.sum((pos + 1.) * b_q.to(tl.float32) * b_dq
+                               + (n_c - 1. - pos) * b_k.to(tl.float32) * b_dk, 0)
+                        + n_c * start * tl.exp2(tl.sum(a, 0) * LOG2E), 0)
         if i_k == 0:  # the pairs inside the chunk (A sums over all of K)
-            o_t = tl.arange(0, BT)
-            p_t = (rows_c[:, None] * H + i_h) * BT + o_t[None, :]
             dist = tl.where(o_t[:, None] > o_t[None, :], (o_t[:, None] - o_t[None, :]), 0)
-            b_a = tl.load(A + p_t, mask=mask_c[:, None], other=0.)
-            b_da_t = tl.load(dA + p_t, mask=mask_c[:, None], other=0.)
-            total += tl.sum(tl.sum(dist.to(tl.float32) * b_a * b_da_t, 1), 0)
-        tl.store(dgamma_part + (i_k * tl.num_programs(0) + i_s) * H + i_h, total)
+            b_a = tl.load(A + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=mask_t[:, None],
+                          other=0.)
+            dgamma += tl.sum(tl.sum(dist.to(tl.float32) * b_a.to(tl.float32) * b_da, 1), 0)
+        tl.store(dgamma_part + (i_k * tl.num_programs(0) + i_s) * H + i_h, dgamma)
+
+    # inside the chunk, level by level
+    diag = tl.sum(tl.where(o_t[:, None] == o_t[None, :], b_da, 0.), 1) * scale
+    b_da = tl.where(o_t[:, None] > o_t[None, :], b_da * scale, 0.).to(op)
+    b_dat = tl.where(o_t[:, None] < o_t[None, :], b_dat * scale, 0.).to(op)
+    for lw in tl.static_range(LEVELS):
+        f = tl.exp2(_scan(tab, lw, a0, a1, a2, BT, PIECES, "ieee") * LOG2E)
+        pair = ((o_t[:, None] >> lw) ^ (o_t[None, :] >> lw)) == 1
+        b_dq += f * tl.dot(tl.where(pair, b_da, 0.), (b_k.to(tl.float32) * f).to(op),
+                           input_precision=DOT_PREC)
+        b_dk += f * tl.dot(tl.where(pair, b_dat, 0.), (b_q.to(tl.float32) * f).to(op),
+                           input_precision=DOT_PREC)
+    tl.store(dq + (rows[:, None] * H + i_h) * K + o_k[None, :],
+             (b_dq + diag[:, None] * b_k.to(tl.float32)).to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + (rows[:, None] * H + i_h) * K + o_k[None, :],
+             (b_dk + diag[:, None] * b_q.to(tl.float32)).to(dk.dtype.element_ty), mask=m_tk)
+    if KGATE:
+        x = b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk
+        b_g = tl.cumsum(x, 0, reverse=True) + carried[None, :]
+        if not USE_H0:
+            # a sequence's first decay acts on a zero state: its gradient is 0
+            # exactly (the sum above would leave fp32 noise of cancelled terms)
+            b_g = tl.where(((o_t == 0) & (p0 == 0))[:, None], 0., b_g)
+        b_g = tl.where(m_tk, b_g, 0.)
+        if (G_MODE == 2) or USE_GK:
+            tl.store(da + (rows[:, None] * H + i_h) * K + o_k[None, :],
+                     b_g.to(da.dtype.element_ty), mask=m_tk)
+        if G_MODE == 1:
+            n_rows = T if IS_VARLEN else N * T
+            tl.store(dg_part + ((i_k * n_rows + rows) * H + i_h), tl.sum(b_g, 1), mask=mask_t)
 
 
 @triton.jit
