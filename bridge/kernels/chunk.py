@@ -41,7 +41,7 @@ def warps(name: str, plan) -> int:
     if name == "chunk_output_kernel":
         return 8 if fp32 or gv else 4
     if name == "chunk_dqk_kernel":
-        return 8 if fp32 else 4
+        return int(os.environ.get("DQKW", "4"))
     return {"chunk_intra_kernel": 2, "chunk_dA_kernel": 8, "chunk_dv_kernel": 8}[name]
 
 
@@ -104,10 +104,10 @@ def _launch(plan, kernel, grid, inputs, scalars, outputs, consts, flops=0, nbyte
 
 def scan_table_launch(plan) -> Launch:
     """The constant 0/1 matrices of chunk_scan_table_kernel, in q's dtype."""
-    return Launch(chunk_scan_table_kernel, grid=(LEVELS + 2,), inputs=(), scalars=(),
-                  outputs=(Out("scan_table", (LEVELS + 2, BT, BT), "like:q"),),
-                  constexprs=dict(BT=BT, LEVELS=LEVELS), num_warps=4,
-                  bytes=(LEVELS + 2) * BT * BT * _size(plan))
+    n = 2 * LEVELS + 2
+    return Launch(chunk_scan_table_kernel, grid=(n,), inputs=(), scalars=(),
+                  outputs=(Out("scan_table", (n, BT, BT), "like:q"),),
+                  constexprs=dict(BT=BT, LEVELS=LEVELS), num_warps=4, bytes=n * BT * BT * _size(plan))
 
 
 def state_launches(plan, backward: bool, use_s_in: bool, store_out: bool) -> list:
@@ -195,12 +195,13 @@ def backward_launches(plan, use_dht: bool) -> list:
                 *state_launches(plan, backward=True, use_s_in=use_dht,
                                 store_out=plan.initial_state)]
     launches.append(scan_table_launch(plan))
-    if plan.gv:  # value-side decays do not factor out of dA: their own pass
+    if plan.gv:
         launches.append(output_launch(plan, prime=True))
-        launches.append(_launch(
-            plan, chunk_dA_kernel, (ns * nc, H), ("v", "gv", "do", cu), (T, N),
-            (Out("dA", (B, T, H, BT)),), consts, flops=ns * H * BT * BT * V,
-            nbytes=tokens * (H + plan.Hk) * V * isz + tokens * H * BT * 4))
+    launches.append(_launch(
+        plan, chunk_dA_kernel, (ns * (nc if plan.gv else 1), H),
+        ("v", "gv" if plan.gv else None, "do", cu), (T, N), (Out("dA", (B, T, H, BT)),), consts,
+        flops=2 * ns * H * BT * BT * V // (2 if plan.gv else 1),
+        nbytes=tokens * (H + plan.Hk) * V * isz + tokens * H * BT * 4))
     launches.append(_launch(
         plan, chunk_dv_kernel, (ns, c["NV"], H),
         ("k", "v", *gates, "A", "h", "dh", "final_state" if plan.gv else None,
@@ -210,12 +211,12 @@ def backward_launches(plan, use_dht: bool) -> list:
         flops=2 * ns * BT * H * V * (BT + K),
         nbytes=(tokens * (plan.Hk * K + H * V * 2) * isz + tokens * H * BT * 4
                 + ns * H * K * V * ssz)))
-    bk = DQK_BK.get(plan.dtype, min(c["BK"], DQK_BK_DEFAULT))
+    bk = int(os.environ.get('DQKBK', DQK_BK.get(plan.dtype, min(c["BK"], DQK_BK_DEFAULT))))
     nk = -(-K // bk)
     launches.append(_launch(
         plan, chunk_dqk_kernel, (ns, nk, H),
         ("q", "k", "v", *gates, "h", "dh", "A" if plan.g_gamma != "none" else None,
-         "dA" if plan.gv else None, "scan_table", cu, "do"),
+         "dA", "scan_table", cu, "do"),
         (plan.scale, T, N),
         (Out("dq", (B, T, H, K), "like:q"),
          Out("dk_h", (B, T, H, K), "like:k" if own else "float32"),
@@ -223,11 +224,10 @@ def backward_launches(plan, use_dht: bool) -> list:
          if plan.g == "key" or plan.gk else None,
          Out("dg_head", (nk, B, T, H)) if plan.g == "head" else None,
          Out("dgamma_part", (nk, ns, H)) if plan.g_gamma != "none" else None),
-        dict(consts, BK=bk),
-        flops=2 * ns * BT * H * K * (2 * V + (2 + LEVELS + 2 * LEVELS) * BT)
-        + (0 if plan.gv else 2 * 2 * ns * BT * BT * H * V * nk),
+        dict(consts, BK=bk, ABL=int(os.environ.get('ABL', '0'))),
+        flops=2 * ns * BT * H * K * (2 * V + (2 + 3 * LEVELS) * BT),
         nbytes=(tokens * (2 * H * K + plan.Hk * (K + V) + H * V) * isz
-                + (tokens * H * BT * 4 if plan.gv else 0) + 2 * ns * H * K * V * ssz)))
+                + tokens * H * BT * 4 + 2 * ns * H * K * V * ssz)))
     if plan.g_gamma != "none":
         launches.append(Launch(
             chunk_dgamma_kernel, grid=(N, H), inputs=("dgamma_part", cu), scalars=(T, ns),

@@ -287,21 +287,25 @@ def chunk_dv_kernel(
 
 @triton.jit
 def chunk_scan_table_kernel(tab, BT: tl.constexpr, LEVELS: tl.constexpr):
-    """The 0/1 matrices [NSCAN, BT, BT] whose products with a [BT, D] tile of
-    per-step log decays give the sums the chunk kernels exponentiate (every one
-    a sum of consecutive decays, so <= 0 for gates <= 0). Matrix l < LEVELS
-    (level w = 2^l): row t sums over t's aligned w-block, from its start to t
-    when bit l of t is set, else from t + 1 to its end (so F_w(t) F_w(s) is
-    the decay from s to t for every pair whose highest differing bit is l).
-    Matrix LEVELS (= log2 BT): from the chunk start to t; LEVELS + 1: from t + 1
-    to the end. One program per matrix."""
+    """The constant 0/1 matrices [2 LEVELS + 2, BT, BT] (LEVELS = log2 BT) of
+    the chunk kernels, one program each. The pairs s < t of a chunk split into
+    levels by the highest bit l in which t and s differ (t has it set, s not).
+    Matrix l < LEVELS: times a [BT, D] tile of per-step log decays, the sums F_l
+    exponentiates: row t sums over t's aligned block of 2^l positions, from its
+    start to t where bit l of t is set, else from t + 1 to its end; so for a
+    pair of level l, F_l(t) F_l(s) is the decay from s to t, a product of two
+    exponentials of sums of consecutive decays, both <= 0. Matrix LEVELS: from
+    the chunk start to t; LEVELS + 1: from t + 1 to the chunk end. Matrix
+    LEVELS + 2 + l: the pairs (t, s) of level l."""
     i = tl.program_id(0)
     t = tl.arange(0, BT)[:, None]
     r = tl.arange(0, BT)[None, :]
-    upper = ((t >> i) & 1) == 1
-    m = ((t >> i) == (r >> i)) & tl.where(upper, r <= t, r > t)
+    lw = tl.where(i < LEVELS, i, i - LEVELS - 2)
+    upper = ((t >> lw) & 1) == 1
+    m = ((t >> lw) == (r >> lw)) & tl.where(upper, r <= t, r > t)
     m = tl.where(i == LEVELS, r <= t, m)
     m = tl.where(i == LEVELS + 1, r > t, m)
+    m = tl.where(i >= LEVELS + 2, (((t ^ r) >> lw) == 1) & (t > r), m)
     tl.store(tab + i * BT * BT + t * BT + r, tl.where(m, 1., 0.).to(tab.dtype.element_ty))
 
 
@@ -317,6 +321,57 @@ def _scan(tab, idx, a0, a1, a2, BT: tl.constexpr, PIECES: tl.constexpr, PREC: tl
         s += tl.dot(m, a1, input_precision=PREC)
         s += tl.dot(m, a2, input_precision=PREC)
     return s
+
+
+@triton.jit
+def _sum_rows(tab, idx, x, BT: tl.constexpr, op: tl.constexpr):
+    """(table matrix idx)^T x for an fp32 [BT, D] x: matrix LEVELS gives the
+    sums over rows r >= t, LEVELS + 1 over r < t. In the input dtype, x goes in
+    as three pieces (exact to fp32) with fp32 accumulation."""
+    o_t = tl.arange(0, BT)
+    m = tl.load(tab + idx * BT * BT + o_t[None, :] * BT + o_t[:, None])
+    if (op == tl.float32) | (op == tl.float64):
+        return tl.dot(m, x.to(op), input_precision="ieee")
+    x0 = x.to(op)
+    r1 = x - x0.to(tl.float32)
+    x1 = r1.to(op)
+    return tl.dot(m, x0) + tl.dot(m, x1) + tl.dot(m, (r1 - x1.to(tl.float32)).to(op))
+
+
+@triton.jit
+def _levels_into(acc, b_a, b_x, tab, a0, a1, a2, BT: tl.constexpr, LEVELS: tl.constexpr,
+                 PIECES: tl.constexpr, LATER: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc [BT, D] plus the pairs inside the chunk, level by level: row t of
+    acc gets sum_s b_a[t, s] b_x[s] times the decay between s and t, b_a [BT, BT]
+    dA (LATER: acc's rows are its rows, for dq) or dA^T (for dk); only the
+    pairs s < t count. With F the level's factor
+    (chunk_scan_table_kernel), each level is one product, (b_a masked to the
+    level's pairs) x (b_x F), scaled by F; the masked b_a picks the right rows
+    of both. A runtime loop, so that one level's tiles are live at a time."""
+    o_t = tl.arange(0, BT)
+    for lw in range(0, LEVELS):
+        f = tl.exp2(_scan(tab, lw, a0, a1, a2, BT, PIECES, "ieee") * LOG2E)
+        p_pair = tab + (LEVELS + 2 + lw) * BT * BT
+        if LATER:
+            pair = tl.load(p_pair + o_t[:, None] * BT + o_t[None, :])
+        else:  # by transposed addresses, in the layout of b_a's transposed load
+            pair = tl.load(p_pair + o_t[None, :] * BT + o_t[:, None])
+        acc += f * tl.dot(b_a * pair.to(b_a.dtype), f.to(b_x.dtype) * b_x,
+                          input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
+def _scan_v(gv, tab, rows, mask_t, i_h, o_v, mask_v, idx, H: tl.constexpr, V: tl.constexpr,
+            BT: tl.constexpr, BV: tl.constexpr, op: tl.constexpr):
+    """_scan of the value-side decays gv over one V block (three pieces for 16-bit dtypes)."""
+    b = decay_v(gv, rows, mask_t, i_h, o_v, mask_v, H, V, True, BT, BV)
+    b0 = b.to(op)
+    if (op == tl.float32) | (op == tl.float64):
+        return _scan(tab, idx, b0, b0, b0, BT, 1, "ieee")
+    r1 = b - b0.to(tl.float32)
+    b1 = r1.to(op)
+    return _scan(tab, idx, b0, b1, (r1 - b1.to(tl.float32)).to(op), BT, 3, "ieee")
 
 
 @triton.jit
@@ -376,12 +431,14 @@ def chunk_dqk_kernel(
     b_k = load_rows(k, rows, i_hk, o_k, mask_t, mask_k, HK, K)
 
     # the key-side decays, split into pieces the table's dtype holds exactly
-    EXACT: tl.constexpr = (((G_MODE == 2) and not USE_GK) or ((G_MODE == 0) and USE_GK)) and (
-        GAMMA_MODE == 0) and (g.dtype.element_ty == op) and (gk.dtype.element_ty == op)
-    WIDE: tl.constexpr = (op == tl.float32) or (op == tl.float64)
-    PIECES: tl.constexpr = 1 if (EXACT or WIDE or not KGATE) else 3
+    ONE_GATE: tl.constexpr = ((G_MODE == 2) & (not USE_GK)) | ((G_MODE == 0) & USE_GK)
+    EXACT: tl.constexpr = ONE_GATE & (GAMMA_MODE == 0) & (g.dtype.element_ty == op) & (
+        gk.dtype.element_ty == op)
+    WIDE: tl.constexpr = (op == tl.float32) | (op == tl.float64)
+    PIECES: tl.constexpr = 3 - 2 * (EXACT | WIDE | (not KGATE))
     a = decay_k(g, gk, gamma, rows, mask_t, i_h, o_k, mask_k, H, K, BT, BK, G_MODE, USE_GK,
                 GAMMA_MODE)
+    e_c = tl.exp2(tl.sum(a, 0) * LOG2E)  # the decay over the whole chunk [BK]
     a0 = a.to(op)
     a1 = a0
     a2 = a0
@@ -390,86 +447,94 @@ def chunk_dqk_kernel(
         a1 = r1.to(op)
         a2 = (r1 - a1.to(tl.float32)).to(op)
 
-    # through the states, and dA = do v^T for the pairs inside the chunk
+    # dq through the chunk start's state: scale (do gated) h^T, decayed from the start
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
-    b_da = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dat = tl.zeros([BT, BT], dtype=tl.float32)
-    start = tl.zeros([BK], dtype=tl.float32)  # sum_V dh_end h_start exp(B_c)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         mask_v = o_v < V
-        m_kv = mask_k[:, None] & mask_v[None, :]
         b_do = load_rows(do, rows, i_h, o_v, mask_t, mask_v, H, V)
-        b_v = load_rows(v, rows, i_hk, o_v, mask_t, mask_v, HK, V)
-        b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-        b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-        if not USE_GV:
-            b_da += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
-            b_dat += tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
-            if KGATE:
-                start += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
-        else:
-            b = decay_v(gv, rows, mask_t, i_h, o_v, mask_v, H, V, USE_GV, BT, BV)
-            b0 = b.to(op)
-            r1 = b - b0.to(tl.float32)
-            b1 = r1.to(op)
-            b2 = (r1 - b1.to(tl.float32)).to(op)
-            PV: tl.constexpr = 1 if WIDE else 3
-            lb = _scan(tab, LEVELS, b0, b1, b2, BT, PV, "ieee")
-            rb = _scan(tab, LEVELS + 1, b0, b1, b2, BT, PV, "ieee")
-            b_do = (b_do.to(tl.float32) * tl.exp2(lb * LOG2E)).to(op)
-            b_v = (b_v.to(tl.float32) * tl.exp2(rb * LOG2E)).to(op)
-            if KGATE:
-                b_e = tl.exp2(tl.sum(b, 0) * LOG2E)
-                start += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32) * b_e[None, :], 1)
+        if USE_GV:
+            b_do = (b_do.to(tl.float32) * tl.exp2(
+                _scan_v(gv, tab, rows, mask_t, i_h, o_v, mask_v, LEVELS, H, V, BT, BV, op)
+                * LOG2E)).to(op)
+        b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :],
+                      mask=mask_k[:, None] & mask_v[None, :], other=0.)
         b_dq += tl.dot(b_do, tl.trans(b_h.to(op)), input_precision=DOT_PREC)
-        b_dk += tl.dot(b_v, tl.trans(b_dh.to(op)), input_precision=DOT_PREC)
-    if USE_GV:
-        p_a = dA + (rows[:, None] * H + i_h) * BT + o_t[None, :]
-        b_da = tl.load(p_a, mask=mask_t[:, None], other=0.)
-        b_dat = tl.load(dA + (rows[None, :] * H + i_h) * BT + o_t[:, None], mask=mask_t[None, :],
-                        other=0.)
     if KGATE:
-        SP: tl.constexpr = "ieee"
-        b_dq *= tl.exp2(_scan(tab, LEVELS, a0, a1, a2, BT, PIECES, SP) * LOG2E)
-        b_dk *= tl.exp2(_scan(tab, LEVELS + 1, a0, a1, a2, BT, PIECES, SP) * LOG2E)
-    b_dq *= scale
-    # the carried term: everything after this chunk
-    carried = tl.sum(b_k.to(tl.float32) * b_dk, 0)
-    if KGATE:
-        carried += start * tl.exp2(tl.sum(a, 0) * LOG2E)
+        b_dq *= tl.exp2(_scan(tab, LEVELS, a0, a1, a2, BT, PIECES, "ieee") * LOG2E)
     if GAMMA_MODE > 0:
         pos = o_t.to(tl.float32)[:, None]
         n_c = tl.minimum(eos - bos - p0, BT).to(tl.float32)
-        dgamma = tl.sum(tl.sum((pos + 1.) * b_q.to(tl.float32) * b_dq
-                               + (n_c - 1. - pos) * b_k.to(tl.float32) * b_dk, 0)
-                        + n_c * start * tl.exp2(tl.sum(a, 0) * LOG2E), 0)
+        dgamma = tl.sum(tl.sum((pos + 1.) * b_q.to(tl.float32) * b_dq, 1), 0) * scale
+
+    # dq inside the chunk, level by level
+    b_da = tl.load(dA + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=mask_t[:, None],
+                   other=0.)
+    if GAMMA_MODE > 0:
         if i_k == 0:  # the pairs inside the chunk (A sums over all of K)
             dist = tl.where(o_t[:, None] > o_t[None, :], (o_t[:, None] - o_t[None, :]), 0)
             b_a = tl.load(A + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=mask_t[:, None],
                           other=0.)
             dgamma += tl.sum(tl.sum(dist.to(tl.float32) * b_a.to(tl.float32) * b_da, 1), 0)
-        tl.store(dgamma_part + (i_k * tl.num_programs(0) + i_s) * H + i_h, dgamma)
-
-    # inside the chunk, level by level
-    diag = tl.sum(tl.where(o_t[:, None] == o_t[None, :], b_da, 0.), 1) * scale
-    b_da = tl.where(o_t[:, None] > o_t[None, :], b_da * scale, 0.).to(op)
-    b_dat = tl.where(o_t[:, None] < o_t[None, :], b_dat * scale, 0.).to(op)
-    for lw in tl.static_range(LEVELS):
-        f = tl.exp2(_scan(tab, lw, a0, a1, a2, BT, PIECES, "ieee") * LOG2E)
-        pair = ((o_t[:, None] >> lw) ^ (o_t[None, :] >> lw)) == 1
-        b_dq += f * tl.dot(tl.where(pair, b_da, 0.), (b_k.to(tl.float32) * f).to(op),
-                           input_precision=DOT_PREC)
-        b_dk += f * tl.dot(tl.where(pair, b_dat, 0.), (b_q.to(tl.float32) * f).to(op),
-                           input_precision=DOT_PREC)
+    # (the level masks keep only pairs s < t: no mask here; dA's scale goes on after)
+    b_dq = _levels_into(b_dq, b_da.to(op), b_k, tab, a0, a1, a2, BT, LEVELS, PIECES, True,
+                        DOT_PREC) * scale
+    p_self = dA + (rows * H + i_h) * BT + o_t  # dA[t, t]: the step's own q.k term
+    d_self = tl.load(p_self, mask=mask_t, other=0.) * scale
+    # the step's own term, with k loaded again: no fp32 copy of k kept live
+    b_self = d_self[:, None] * load_rows(k, rows, i_hk, o_k, mask_t, mask_k, HK, K).to(tl.float32)
     tl.store(dq + (rows[:, None] * H + i_h) * K + o_k[None, :],
-             (b_dq + diag[:, None] * b_k.to(tl.float32)).to(dq.dtype.element_ty), mask=m_tk)
-    tl.store(dk + (rows[:, None] * H + i_h) * K + o_k[None, :],
-             (b_dk + diag[:, None] * b_q.to(tl.float32)).to(dk.dtype.element_ty), mask=m_tk)
+             (b_dq + b_self).to(dq.dtype.element_ty), mask=m_tk)
+    x = b_q.to(tl.float32) * b_dq
+
+    # dk inside the chunk, from dA^T [s, t] loaded by transposed addresses (no
+    # transpose in registers, no dA tile live through the dq store)
+    b_dat = tl.load(dA + (rows[None, :] * H + i_h) * BT + o_t[:, None], mask=mask_t[None, :],
+                    other=0.)
+    b_dk = _levels_into(tl.zeros([BT, BK], dtype=tl.float32), b_dat.to(op), b_q, tab, a0, a1,
+                        a2, BT, LEVELS, PIECES, False, DOT_PREC) * scale
     if KGATE:
-        x = b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk
-        b_g = tl.cumsum(x, 0, reverse=True) + carried[None, :]
+        x -= b_k.to(tl.float32) * b_dk
+
+    # dk through the chunk end's state gradient: (v gated) dh^T, decayed to the end
+    b_dks = tl.zeros([BT, BK], dtype=tl.float32)
+    start = tl.zeros([BK], dtype=tl.float32)  # sum_V dh_end h_start exp(B_c)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        mask_v = o_v < V
+        m_kv = mask_k[:, None] & mask_v[None, :]
+        b_v = load_rows(v, rows, i_hk, o_v, mask_t, mask_v, HK, V)
+        b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        if KGATE:
+            b_hdh = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv,
+                            other=0.).to(tl.float32) * b_dh.to(tl.float32)
+        if USE_GV:
+            b_v = (b_v.to(tl.float32) * tl.exp2(
+                _scan_v(gv, tab, rows, mask_t, i_h, o_v, mask_v, LEVELS + 1, H, V, BT, BV, op)
+                * LOG2E)).to(op)
+            if KGATE:
+                b_hdh *= tl.exp2(tl.sum(decay_v(gv, rows, mask_t, i_h, o_v, mask_v, H, V, USE_GV,
+                                               BT, BV), 0) * LOG2E)[None, :]
+        if KGATE:
+            start += tl.sum(b_hdh, 1)
+        b_dks += tl.dot(b_v, tl.trans(b_dh.to(op)), input_precision=DOT_PREC)
+    if KGATE:
+        b_dks *= tl.exp2(_scan(tab, LEVELS + 1, a0, a1, a2, BT, PIECES, "ieee") * LOG2E)
+        start *= e_c
+    d_self = tl.load(p_self, mask=mask_t, other=0.) * scale
+    b_self = d_self[:, None] * load_rows(q, rows, i_h, o_k, mask_t, mask_k, H, K).to(tl.float32)
+    tl.store(dk + (rows[:, None] * H + i_h) * K + o_k[None, :],
+             (b_dk + b_dks + b_self).to(dk.dtype.element_ty), mask=m_tk)
+    y = b_k.to(tl.float32) * b_dks
+    if GAMMA_MODE > 0:
+        dgamma += tl.sum(tl.sum((n_c - 1. - pos) * y, 1) + n_c * start, 0)
+        tl.store(dgamma_part + (i_k * tl.num_programs(0) + i_s) * H + i_h, dgamma)
+    if KGATE:
+        # da_r = sum_{t >= r} (q dq' - k dk')_t + sum_V dh_end S_end, where S_end
+        # holds the chunk's own k v^T terms: their part sum_t k_t dk_state_t
+        # cancels the state part of dk' for t >= r exactly, leaving t < r
+        b_g = (_sum_rows(tab, LEVELS, x, BT, op) + _sum_rows(tab, LEVELS + 1, y, BT, op)
+               + start[None, :])
         if not USE_H0:
             # a sequence's first decay acts on a zero state: its gradient is 0
             # exactly (the sum above would leave fp32 noise of cancelled terms)
