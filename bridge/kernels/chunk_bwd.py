@@ -356,8 +356,8 @@ def _levels_into(acc, b_a, b_x, tab, a0, a1, a2, BT: tl.constexpr, LEVELS: tl.co
             pair = tl.load(p_pair + o_t[:, None] * BT + o_t[None, :])
         else:  # by transposed addresses, in the layout of b_a's transposed load
             pair = tl.load(p_pair + o_t[None, :] * BT + o_t[:, None])
-        acc += f * tl.dot(b_a * pair.to(b_a.dtype), f.to(b_x.dtype) * b_x,
-                          input_precision=DOT_PREC)
+        b_w = (b_a.to(tl.float32) * pair.to(tl.float32)).to(b_a.dtype)
+        acc += f * tl.dot(b_w, (f * b_x.to(tl.float32)).to(b_x.dtype), input_precision=DOT_PREC)
     return acc
 
 
@@ -527,7 +527,7 @@ def chunk_dqk_kernel(
              (b_dk + b_dks + b_self).to(dk.dtype.element_ty), mask=m_tk)
     y = b_k.to(tl.float32) * b_dks
     if GAMMA_MODE > 0:
-        dgamma += tl.sum(tl.sum((n_c - 1. - pos) * y, 1) + n_c * start, 0)
+        dgamma += tl.sum(tl.sum((n_c - 1. - pos) * y, 0) + n_c * start, 0)
         tl.store(dgamma_part + (i_k * tl.num_programs(0) + i_s) * H + i_h, dgamma)
     if KGATE:
         # da_r = sum_{t >= r} (q dq' - k dk')_t + sum_V dh_end S_end, where S_end
