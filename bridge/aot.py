@@ -350,7 +350,7 @@ def targets(rep, target="sm_90") -> list:
     else:
         out.append(dict(name="bar.sync in any loop body <= fla's worst loop body", met=None,
                         figure=f"{figure}; {why}"))
-    parallel = [r for r in ours if "state" not in r["kernel"]]
+    parallel = [r for r in ours if not sequential(r["kernel"])]
     low = sorted({(r["kernel"], r["ctas_per_sm"]) for r in parallel if r["ctas_per_sm"] < 2})
     out.append(dict(name="CTAs per SM >= 2 in every parallel kernel (all but the state passes)",
                     met=not low, figure=", ".join(f"{k} {n}" for k, n in low) or ", ".join(
@@ -366,6 +366,12 @@ def targets_markdown(ts) -> str:
     word = {True: "met", False: "NOT met", None: "not measured"}
     return "\n".join(["| target (sm_90) | status | figure |", "|---|---|---|"] +
                      [f"| {t['name']} | {word[t['met']]} | {t['figure']} |" for t in ts])
+
+
+def sequential(kernel: str) -> bool:
+    """Whether a kernel is a sequential state pass (ours: *state*; fla: chunk_*_h,
+    chunk_*_dh), the kernels the CTAs-per-SM target leaves out."""
+    return bool(re.search(r"state|_d?h$", kernel))
 
 
 def max_loop_bars(rec) -> int:
@@ -403,10 +409,37 @@ def _versions():
     return {"triton": triton.__version__, "torch": tv}
 
 
+def fla_report(shape, dtype="bf16", log=None) -> dict:
+    """bridge.aot_fla's report of fla's chunk_gla kernels at `shape` (sm_90), run in
+    a subprocess (it stands in an H100 for fla and torch.cuda); {"error": why} when
+    fla-core is not installed or the run fails."""
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    if importlib.util.find_spec("fla") is None:
+        return {"error": "fla-core not installed (the bench extra: pip install --no-deps "
+                         "fla-core==0.6.0)"}
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "fla.json")
+        env = dict(os.environ, TRITON_INTERPRET="0")
+        proc = subprocess.run([sys.executable, "-m", "bridge.aot_fla", "--shape",
+                               ",".join(map(str, shape)), "--dtype", dtype, "--json", out],
+                              env=env, stderr=subprocess.PIPE, text=True)
+        for line in proc.stderr.splitlines():
+            if log and line.startswith("fla "):
+                log(line)
+        if proc.returncode != 0 or not os.path.exists(out):
+            return {"error": f"bridge.aot_fla failed: {proc.stderr[-1500:]}"}
+        with open(out) as f:
+            return json.load(f)
+
+
 def report(shape, dtype="bf16", mode="chunk", archs=(80, 90), gates="key", ptx_dir=None,
-           hints=True, log=None) -> dict:
+           hints=True, log=None, compare_fla=False) -> dict:
     """Compile the forward and backward (use_dht=True) launch lists of one call
-    for each arch; the JSON object `--report --json` prints."""
+    for each arch; the JSON object `--report --json` prints. `compare_fla` adds
+    fla's GLA chunk kernels at the same shape ("fla", see `fla_report`)."""
     from .kernels import family
 
     fam = family(mode)
@@ -480,13 +513,17 @@ def report(shape, dtype="bf16", mode="chunk", archs=(80, 90), gates="key", ptx_d
            "peaks": {"tensor_core_flops": PEAK_TC_FLOPS, "tf32_flops": PEAK_TF32_FLOPS,
                      "fp32_flops": PEAK_FP32_FLOPS, "hbm_bytes_per_s": PEAK_HBM_BYTES},
            "versions": _versions()}
+    if compare_fla:
+        rep["fla"] = (fla_report(shape, short, log) if mode == "chunk" and gates == "key" else
+                      {"error": "fla's chunk_gla is compared at mode=chunk, gates=key only"})
     if mode == "chunk" and 90 in archs:
         rep["targets"] = targets(rep)
     return rep
 
 
-def markdown(rep: dict) -> str:
-    """A markdown table of a report, for BENCHMARKS.md."""
+def markdown(rep: dict, sass_target=None) -> str:
+    """A markdown table of a report, for BENCHMARKS.md; the SASS tables for
+    `sass_target` only (e.g. "sm_90"), or for every target."""
     s = rep["shape"]
     lines = [f"`bridge.aot --report` mode={rep['mode']} gates={rep['gates']} dtype={rep['dtype']} "
              f"(B,T,H,K,V)=({s['B']},{s['T']},{s['H']},{s['K']},{s['V']}); triton "
@@ -505,10 +542,24 @@ def markdown(rep: dict) -> str:
                      f"{r['bytes'] / 1e6:.1f} | {r['lower_bound_us']:.1f} |")
     b = rep["lower_bound_us"]
     lines += ["", f"Lower bound (us): fwd {b['fwd']:.1f}, bwd {b['bwd']:.1f}, "
-                  f"total {b['total']:.1f}.", "", sass_markdown(rep["launches"])]
+                  f"total {b['total']:.1f}.", "",
+              sass_markdown([r for r in rep["launches"]
+                             if sass_target in (None, r["target"])])]
     dyn = rep.get("dynamic_warp_instructions") or {}
     lines += ["", "Dynamic warp-instructions (estimate): " + "; ".join(
         f"{t} fwd {d['fwd'] / 1e9:.3f}G, bwd {d['bwd'] / 1e9:.3f}G" for t, d in dyn.items()) + "."]
+    fla = rep.get("fla")
+    if fla and fla.get("launches"):
+        d = fla["dynamic"]
+        lines += ["", f"flash-linear-attention {fla['versions']['fla']} `chunk_gla` (forward with "
+                      "final state, backward with its gradient), compiled the same way for sm_90 "
+                      "(`bridge.aot_fla`) at every autotune config fla offers on an H100; per "
+                      "kernel the config [in brackets] with the fewest dynamic warp-instructions.",
+                  "", sass_markdown(fla["launches"]), "",
+                  f"fla dynamic warp-instructions: fwd {d['fwd'] / 1e9:.3f}G, "
+                  f"bwd {d['bwd'] / 1e9:.3f}G."]
+    elif fla:
+        lines += ["", f"fla: {fla.get('error')}"]
     if rep.get("targets"):
         lines += ["", targets_markdown(rep["targets"])]
     return "\n".join(lines)
@@ -549,7 +600,8 @@ def sass_markdown(recs) -> str:
             continue
         occ = r["occupancy"]
         shared = "-" if r["shared"] is None else f"{r['shared'] / 1024:.1f}"
-        lines.append(f"| {r['phase']} | `{r['kernel']}` | {r['target']} | {r['num_warps']} | "
+        name = f"`{r['kernel']}`" + (f" [{r['config']}]" if r.get("config") else "")
+        lines.append(f"| {r['phase']} | {name} | {r['target']} | {r['num_warps']} | "
                      f"{r['n_regs']} | {shared} | {r['ctas_per_sm']} ({occ['limiter']}) | "
                      f"{r['sass_instructions']} | {len(r['loops'])} | {max_loop_bars(r)} | "
                      f"{r['dynamic'] / 1e9:.3f} | "
@@ -641,6 +693,10 @@ def main(argv=None):
                          "all: g, gk, gv and g_gamma")
     ap.add_argument("--ptx-dir", help="write <kernel>.<phase>.sm_<arch>.<dtype>.ptx here")
     ap.add_argument("--markdown", action="store_true", help="print a markdown table")
+    ap.add_argument("--compare-fla", action="store_true",
+                    help="also compile fla 0.6.0's chunk_gla kernels for sm_90 (fla-core, the "
+                         "bench extra) at each autotune config; report the cheapest per kernel "
+                         "and the targets against them (minutes on a cold Triton cache)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("bridge.aot: run with TRITON_INTERPRET=0 (the interpreter has no compiler)")
@@ -653,7 +709,8 @@ def main(argv=None):
         archs = archs or [80, 90]
         rep = report(args.shape, args.dtype, args.mode, archs, args.gates, args.ptx_dir,
                      hints=args.hints is not False,
-                     log=lambda s: print(s, file=sys.stderr, flush=True))
+                     log=lambda s: print(s, file=sys.stderr, flush=True),
+                     compare_fla=args.compare_fla)
         text = json.dumps(rep, indent=1)
         if args.json and args.json != "-":
             with open(args.json, "w") as f:

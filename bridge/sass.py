@@ -1,7 +1,8 @@
 """Reading a compiled kernel's SASS without a GPU: loops, instruction classes,
 occupancy and a dynamic warp-instruction estimate.
 
-    a = analyze(cubin, ptx, trips, num_warps, arch, regs, shared)
+    a = analyze(cubin, ptx, trips, num_warps)      # trips: bridge.tripcounts
+    occupancy(regs, shared, num_warps, arch)      # CTAs per SM
 
 disassembles the cubin with Triton's bundled nvdisasm (line info on: Triton
 compiles with -lineinfo), finds the loops from the control flow (a branch to a
@@ -13,11 +14,10 @@ and estimates the warp-instructions one launch issues:
     sum over code regions (instructions in the region x times it runs) x warps
 
 where a loop body runs as often as `bridge.tripcounts` says its source loop's
-body runs over the grid (divided by ptxas's unroll factor, found by comparing
-the loop's 1:1 instruction classes - global loads/stores, bar.sync, ex2, shfl,
-mma, cp.async - with the same loop in the PTX), code outside loops once per
-program, and a program that leaves by an early `return` only the code before
-the first EXIT. Every instruction of a region counts, predicated or branched
+body runs over the grid (divided by ptxas's unroll factor, found by matching the
+loop's bar.sync, ex2, mma, cp.async and global-store counts, which ptxas keeps one
+for one, with a PTX loop's), code outside loops once per program, and a program
+that leaves by an early `return` only the code before the first EXIT. Every instruction of a region counts, predicated or branched
 around: an upper bound where a branch skips code.
 """
 
@@ -43,7 +43,8 @@ CLASSES = (("BAR", re.compile(r"BAR\.SYNC")), ("SHFL", re.compile(r"SHFL")),
            ("HGMMA", re.compile(r"HGMMA")))
 REPORTED = tuple(c for c, _ in CLASSES)
 
-# Instruction kinds PTX and SASS have one for one, for ptxas's unroll factor.
+# Instruction kinds PTX and SASS have one for one, for ptxas's unroll factor; _EXACT are
+# those ptxas never merges (it CSEs some global loads and shuffles).
 _ONE_TO_ONE_SASS = (("gld", r"LDG\b"), ("gst", r"STG\b"), ("bar", r"BAR\.SYNC"),
                     ("ex2", r"MUFU\.EX2"), ("shfl", r"SHFL"), ("mma", r"HMMA"),
                     ("wgmma", r"HGMMA"), ("cpasync", r"LDGSTS"))
@@ -51,6 +52,7 @@ _ONE_TO_ONE_PTX = (("gld", r"ld\.global"), ("gst", r"st\.global"),
                    ("bar", r"(bar|barrier)\.sync"), ("ex2", r"ex2\.approx"),
                    ("shfl", r"shfl\.sync"), ("mma", r"mma\.sync"),
                    ("wgmma", r"wgmma\.mma_async"), ("cpasync", r"cp\.async\.(ca|cg)"))
+_EXACT = ("gst", "bar", "ex2", "mma", "wgmma", "cpasync")
 
 
 @dataclass
@@ -227,16 +229,18 @@ def ptx_loops(ptx: str) -> list:
 
 def unroll_factor(sass_counts: Counter, ptx_counts: list) -> tuple:
     """(factor, how): how many copies of a PTX loop body ptxas put in one SASS loop
-    body: the smallest u with u x (some PTX loop's 1:1 counts) == the SASS loop's
-    (global loads/stores, bar.sync, ex2, shfl, mma, cp.async each map one to one).
-    1 with a note when no PTX loop fits."""
-    kinds = [k for k, _ in _ONE_TO_ONE_SASS]
-    s = [sass_counts.get(k, 0) for k in kinds]
+    body: the smallest u with u x (some PTX loop's counts) == the SASS loop's counts
+    of bar.sync, ex2, mma, wgmma, cp.async and global stores (kinds ptxas keeps one
+    for one; it merges some loads and shuffles). 1 with a note when none fits or
+    the loop has none of these kinds."""
+    s = [sass_counts.get(k, 0) for k in _EXACT]
+    if not any(s):
+        return 1, "unroll taken as 1 (no bar.sync/ex2/mma/cp.async/store to compare with the PTX)"
     for u in range(1, 17):
         for p in ptx_counts:
-            if [u * p.get(k, 0) for k in kinds] == s and (u == 1 or any(s)):
+            if [u * p.get(k, 0) for k in _EXACT] == s:
                 return u, (f"ptxas unroll {u}" if u > 1 else "not unrolled by ptxas")
-    return 1, "no PTX loop with these 1:1 instruction counts (unroll taken as 1)"
+    return 1, "unroll taken as 1 (no PTX loop with these bar.sync/ex2/mma/cp.async/store counts)"
 
 
 # ---------------------------------------------------------------- occupancy

@@ -482,3 +482,80 @@ def test_trip_counts_by_hand(tmp_path, monkeypatch):
     # an axis the kernel never reads is run once and weighted
     wide = tripcounts.trip_counts(skeleton_toy.helper, (7, 3), dict(n=5))
     assert (wide.evaluated, wide.per_program[key(9)]) == (1, 5 * 21)
+
+
+def test_targets_and_readiness_section(bf16_report):
+    """The report's issue-30 targets and BENCHMARKS.md's GPU-readiness rendering:
+    without fla the comparisons are "not measured"; given fla records (here our own
+    launches standing in for fla's) the dynamic targets compare the sums (1.00x,
+    met) and the bar.sync target the worst loop bodies."""
+    import copy
+
+    from parity.bench import readiness
+
+    rep, _ = bf16_report
+    ts = {t["name"]: t for t in rep["targets"]}
+    assert len(ts) == 5 and all(t["met"] is None for n, t in ts.items() if "fla" in n)
+    ctas = next(t for n, t in ts.items() if "CTAs" in n)
+    low = [r for r in rep["launches"] if r["target"] == "sm_90"
+           and not aot.sequential(r["kernel"]) and r["ctas_per_sm"] < 2]
+    assert ctas["met"] == (not low)
+    text = readiness.section({"gpu": [rep]})
+    assert "Instruction model" in text and "not measured" in text
+    twin = copy.deepcopy(rep)
+    twin["fla"] = dict(launches=[r for r in twin["launches"] if r["target"] == "sm_90"],
+                       dynamic={}, versions=dict(fla="0"))
+    got = {t["name"]: t for t in aot.targets(twin)}
+    dyn = [t for n, t in got.items() if "dynamic" in n]
+    assert len(dyn) == 2 and all(t["met"] and "(1.00x)" in t["figure"] for t in dyn)
+    bars = next(t for n, t in got.items() if "bar.sync" in n)
+    assert bars["met"] and str(max(aot.max_loop_bars(r) for r in twin["fla"]["launches"])) \
+        in bars["figure"]
+    assert aot.sequential("chunk_state_kernel") and aot.sequential("chunk_bwd_kernel_dh")
+    assert aot.sequential("chunk_fwd_kernel_h") and not aot.sequential("chunk_dqk_kernel")
+
+
+_FLA = '''
+import json
+from bridge import aot_fla
+
+entries = aot_fla.capture((1, 128, 2, 64, 64))
+inter = next(e for e in entries if e["fn"].__name__ == "chunk_gla_fwd_A_kernel_intra_sub_inter")
+rec = aot_fla.compile_config(inter, inter["configs"][0])
+print(json.dumps(dict(
+    launches=[[e["phase"], e["fn"].__name__, len(e["configs"])] for e in entries],
+    bks=sorted({c.kwargs.get("BK") for e in entries for c in e["configs"] if c and "BK" in c.kwargs}),
+    rec={k: rec[k] for k in ("kernel", "grid", "programs", "num_warps", "dynamic", "ctas_per_sm")},
+    exits=rec["sass_notes"])))
+'''
+
+
+@needs_nvdisasm
+def test_fla_launches_are_captured(tmp_path):
+    """--compare-fla's capture of fla's chunk_gla (forward with final state, backward)
+    under the H100 stand-in: the launch sequence fla/ops/gla/chunk.py makes
+    (cumsum, state, intra-chunk, output; backward recomputing cumsum and h), its
+    H100 tile sizes (BK 32 and 64, not the CPU fallback 16 / 32), and one config of
+    the inter-sub-chunk kernel compiled: grid (chunks, 4 x 4 sub-chunk pairs, B x H),
+    the 10 of 16 pairs with i <= j returning at once."""
+    pytest.importorskip("fla", reason="fla-core (the bench extra) is not installed")
+    (tmp_path / "run.py").write_text(textwrap.dedent(_FLA))
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(tmp_path / "run.py")], env=env, capture_output=True,
+                         text=True, timeout=600, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = json.loads(res.stdout.splitlines()[-1])
+    names = [(p, n) for p, n, _ in got["launches"]]
+    assert names == [
+        ("fwd", "chunk_local_cumsum_vector_kernel"), ("fwd", "chunk_fwd_kernel_h"),
+        ("fwd", "chunk_gla_fwd_A_kernel_intra_sub_inter"),
+        ("fwd", "chunk_gla_fwd_A_kernel_intra_sub_intra"), ("fwd", "chunk_gla_fwd_kernel_o"),
+        ("bwd", "chunk_local_cumsum_vector_kernel"), ("bwd", "chunk_fwd_kernel_h"),
+        ("bwd", "chunk_bwd_kernel_dh"), ("bwd", "chunk_gla_bwd_kernel_dv"),
+        ("bwd", "chunk_gla_bwd_kernel_dA"), ("bwd", "chunk_gla_bwd_kernel_intra"),
+        ("bwd", "chunk_gla_bwd_kernel_inter")], names
+    assert all(n >= 1 for _, _, n in got["launches"]) and got["bks"] == [32, 64]
+    rec = got["rec"]
+    assert rec["grid"] == [2, 16, 2] and rec["programs"] == 64 and rec["dynamic"] > 0
+    assert any("40 of 64 programs return early" in n for n in got["exits"]), got["exits"]

@@ -1,6 +1,10 @@
 """Fused recurrent kernels: one program per (value block, sequence x head), the
 fp32 state [K, BV] in registers, a loop over time. The decoding and
-short-sequence path.
+short-sequence path. Grids put every program on axis x (value block fastest,
+so a head's blocks run side by side and share its q/k rows in L2): CUDA allows
+2^31 - 1 programs there but only 65,535 on y and z. Decays are exponentials of
+one step's log gate, taken as exp2 of the gate times log2(e) (a single MUFU.EX2;
+tl.exp adds a range fix-up around it).
 
 Layout: every tensor is [B, T, H, *] contiguous (packed input is [1, total, H, *]);
 `row` below is the flat token index b*T + t, or the packed index with cu_seqlens.
@@ -42,10 +46,13 @@ from ..launch import Launch, Out
 from .common import check_k, flags, gate_inputs, head_gamma, next_pow2, seq_bounds
 
 
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
 @triton.jit
-def _log_decay_k(g, gk, gamma, row, i_h, o_k, mask_k, H: tl.constexpr, K: tl.constexpr,
-                 BK: tl.constexpr, G_MODE: tl.constexpr, USE_GK: tl.constexpr):
-    """a_t = g_t + gk_t + gamma over K, fp32 [BK]."""
+def _log2_decay_k(g, gk, gamma, row, i_h, o_k, mask_k, H: tl.constexpr, K: tl.constexpr,
+                  BK: tl.constexpr, G_MODE: tl.constexpr, USE_GK: tl.constexpr):
+    """(g_t + gk_t + gamma) log2(e) over K, fp32 [BK]: exp2 of it is step t's decay."""
     a = tl.zeros([BK], dtype=tl.float32) + gamma
     if G_MODE == 1:
         a += tl.load(g + row * H + i_h).to(tl.float32)
@@ -53,7 +60,14 @@ def _log_decay_k(g, gk, gamma, row, i_h, o_k, mask_k, H: tl.constexpr, K: tl.con
         a += tl.load(g + (row * H + i_h) * K + o_k, mask=mask_k, other=0.).to(tl.float32)
     if USE_GK:
         a += tl.load(gk + (row * H + i_h) * K + o_k, mask=mask_k, other=0.).to(tl.float32)
-    return a
+    return a * LOG2E
+
+
+@triton.jit
+def _program(NV: tl.constexpr):
+    """(value block, sequence x head) of this program: all of them on grid axis x."""
+    pid = tl.program_id(0)
+    return pid % NV, pid // NV
 
 
 @triton.jit
@@ -71,7 +85,7 @@ def fused_recurrent_fwd_kernel(
     pass 1): dq' partials [B,T,H,NV,K]; with gv, o'*do [B,T,H,V] in fp32; with
     USE_DHT, the final-state terms sum_j dS_T S~_T [N,H,NV,K] (g or gk) and
     sum_i dS_T S~_T [N,H,V] (gv); with g_gamma, its gradient [N,H,NV]."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = _program(NV)
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HK)
     bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
@@ -114,15 +128,17 @@ def fused_recurrent_fwd_kernel(
         b_k = tl.load(k + (row * HK + i_hk) * K + o_k, mask=mask_k, other=0.).to(tl.float32)
         b_v = tl.load(v + (row * HK + i_hk) * V + o_v, mask=mask_v, other=0.).to(tl.float32)
         if KGATE:
-            b_a = _log_decay_k(g, gk, gamma, row, i_h, o_k, mask_k, H, K, BK, G_MODE, USE_GK)
-            b_h = b_h * tl.exp(b_a)[:, None]
+            d_a = tl.exp2(_log2_decay_k(g, gk, gamma, row, i_h, o_k, mask_k, H, K, BK, G_MODE,
+                                        USE_GK))
+            b_h = b_h * d_a[:, None]
             if TANGENT:
-                b_p = b_p * tl.exp(b_a)[:, None]
+                b_p = b_p * d_a[:, None]
         if USE_GV:
             b_b = tl.load(gv + (row * H + i_h) * V + o_v, mask=mask_v, other=0.).to(tl.float32)
-            b_h = b_h * tl.exp(b_b)[None, :]
+            d_b = tl.exp2(b_b * LOG2E)
+            b_h = b_h * d_b[None, :]
             if TANGENT:
-                b_p = b_p * tl.exp(b_b)[None, :]
+                b_p = b_p * d_b[None, :]
         if DQ:  # b_h is S~_t here: the step's own token is not in yet
             b_do = tl.load(do + (row * H + i_h) * V + o_v, mask=mask_v, other=0.).to(tl.float32)
             b_dq = tl.sum(b_h * b_do[None, :], axis=1) * scale
@@ -176,7 +192,7 @@ def fused_recurrent_bwd_dkv_kernel(
 ):
     """Backward pass 2: walk dS from the last step taken to the first.
     dk' partials [B,T,H,NV,K], dv' per query head [B,T,H,V], dh0 [N,H,K,V]."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = _program(NV)
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HK)
     bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
@@ -205,11 +221,11 @@ def fused_recurrent_bwd_dkv_kernel(
         tl.store(dv + (row * H + i_h) * V + o_v, tl.sum(b_dh * b_k[:, None], axis=0), mask=mask_v)
         b_dh += (b_q * scale)[:, None] * b_do[None, :]
         if (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0):
-            b_a = _log_decay_k(g, gk, gamma, row, i_h, o_k, mask_k, H, K, BK, G_MODE, USE_GK)
-            b_dh = b_dh * tl.exp(b_a)[:, None]
+            b_a = _log2_decay_k(g, gk, gamma, row, i_h, o_k, mask_k, H, K, BK, G_MODE, USE_GK)
+            b_dh = b_dh * tl.exp2(b_a)[:, None]
         if USE_GV:
             b_b = tl.load(gv + (row * H + i_h) * V + o_v, mask=mask_v, other=0.).to(tl.float32)
-            b_dh = b_dh * tl.exp(b_b)[None, :]
+            b_dh = b_dh * tl.exp2(b_b * LOG2E)[None, :]
     if USE_H0:  # not p_state: see the dht load of fused_recurrent_fwd_kernel
         tl.store(dh0 + i_nh.to(tl.int64) * (K * V) + (o_k[:, None] * V + o_v[None, :]), b_dh,
                  mask=mask_h)
@@ -313,7 +329,7 @@ def forward_launches(plan) -> list:
     c = config(plan)
     B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
     return _with_bytes(plan, [Launch(
-        fused_recurrent_fwd_kernel, grid=(c["NV"], N * H),
+        fused_recurrent_fwd_kernel, grid=(c["NV"] * N * H,),
         inputs=("q", "k", "v", *gate_inputs(plan),
                 "initial_state" if plan.initial_state else None,
                 "cu_seqlens" if plan.varlen else None, None, None),
@@ -341,7 +357,7 @@ def backward_launches(plan, use_dht: bool) -> list:
     final_b = use_dht and plan.gv
     gamma = plan.g_gamma != "none"
     return _with_bytes(plan, [
-        Launch(fused_recurrent_fwd_kernel, grid=(NV, N * H),
+        Launch(fused_recurrent_fwd_kernel, grid=(NV * N * H,),
                inputs=("q", "k", "v", *gates, "initial_state" if plan.initial_state else None,
                        cu, "do", dht),
                scalars=(plan.scale, T),
@@ -355,7 +371,7 @@ def backward_launches(plan, use_dht: bool) -> list:
                # the g_gamma tangent is a second state tile: twice the threads hold it
                # (sm_90, unhinted 64 x 64 tile: 255 registers a thread at 4 warps, 128 at 8)
                num_warps=2 * c["num_warps"] if gamma else c["num_warps"]),
-        Launch(fused_recurrent_bwd_dkv_kernel, grid=(NV, N * H),
+        Launch(fused_recurrent_bwd_dkv_kernel, grid=(NV * N * H,),
                inputs=("q", "k", "v", *gates, cu, "do", dht),
                scalars=(plan.scale, T),
                outputs=(Out("dk_part", (B, T, H, NV, K)), Out("dv_part", (B, T, H, V)),

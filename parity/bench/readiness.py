@@ -1,7 +1,9 @@
 """BENCHMARKS.md's "GPU readiness" and "TPU readiness (compiled, not run)" sections:
 the AOT report (`python -m bridge.aot --report`) of both Triton kernel families at
 the reference shape, bf16, with the lower bounds it derives, next to
-flash-linear-attention's published timings; and the Mosaic report of the Pallas
+flash-linear-attention's published timings; the SASS instruction model of the
+chunk kernels against fla's own (`--compare-fla`, when fla-core is installed)
+with issue 30's targets met / NOT met; and the Mosaic report of the Pallas
 kernels (`python -m jax_side.tpu_report`) at the same shape. Compiling needs no
 GPU or TPU, so every run of the benchmark can refresh them; nothing in them is a
 measured time."""
@@ -13,6 +15,7 @@ import sys
 
 SHAPE = (8, 4096, 16, 128, 128)  # B, T, H, K, V
 RUNS = (("chunk", "key"), ("fused_recurrent", "key"), ("chunk", "all"))
+COMPARED = ("chunk", "key")  # the run compared with fla's chunk_gla (GLA, key gate)
 
 # flash-linear-attention's README (chunk_gla, bf16, on a GB200; ms, fwd / fwd+bwd).
 # No A100/H100 figures are published.
@@ -46,6 +49,8 @@ def gpu_run(log=print) -> list:
     for mode, gates in RUNS:
         cmd = [sys.executable, "-m", "bridge.aot", "--report", "--shape", ",".join(map(str, SHAPE)),
                "--dtype", "bf16", "--mode", mode, "--gates", gates, "--arch", "80,90", "--json"]
+        if (mode, gates) == COMPARED:
+            cmd.append("--compare-fla")
         log(f"readiness: {' '.join(cmd[1:])}")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if not proc.stdout.startswith("{"):
@@ -135,6 +140,60 @@ def section(readiness) -> str:
     lines += [f"| {s} | {f} | {fb} |" for s, f, fb in FLA_GB200]
     lines += ["", "The same token count as our reference shape is (2,16384,16,128): 1.445 / "
               "5.984 ms there. Our figures above are lower bounds, not timings.", ""]
+    lines += instruction_model(reports)
     for rep in reports:
-        lines += [f"### {rep['mode']}, gates={rep['gates']}", "", aot.markdown(rep), ""]
+        lines += [f"### {rep['mode']}, gates={rep['gates']}", "", aot.markdown(rep, "sm_90"), ""]
     return "\n".join(lines)
+
+
+def _side(recs, target="sm_90") -> dict:
+    """Per phase: dynamic warp-instructions, worst loop body's bar.sync, fewest
+    CTAs per SM among the parallel kernels, spilling launches."""
+    from bridge import aot
+
+    out = {}
+    for phase in ("fwd", "bwd"):
+        rs = [r for r in recs if r["phase"] == phase and r.get("target") == target and "loops" in r]
+        par = [r for r in rs if not aot.sequential(r["kernel"])]
+        worst = max(rs, key=aot.max_loop_bars, default=None)
+        few = min(par, key=lambda r: r["ctas_per_sm"], default=None)
+        out[phase] = dict(
+            dynamic=sum(r["dynamic"] for r in rs),
+            bars=f"{aot.max_loop_bars(worst)} ({worst['kernel']})" if worst else "-",
+            ctas=f"{few['ctas_per_sm']} ({few['kernel']})" if few else "-",
+            spills=sum(1 for r in rs if r["n_spills"]))
+    return out
+
+
+def instruction_model(reports) -> list:
+    """The "Instruction model" lines: ours against fla's chunk_gla, sm_90, and the
+    targets of the compared run."""
+    from bridge import aot
+
+    rep = next((r for r in reports if (r["mode"], r["gates"]) == COMPARED), None)
+    if rep is None or not rep.get("targets"):
+        return []
+    B, T, H, K, V = SHAPE
+    lines = ["### Instruction model: ours against fla's chunk_gla (sm_90, GLA key gate)", "",
+             f"SASS read without a GPU (see the SASS tables below for the method): dynamic "
+             f"warp-instructions at (B,T,H,K,V) = ({B},{T},{H},{K},{V}) bf16, the most bar.sync "
+             "in one loop body (nested loops included), the fewest CTAs per SM among the "
+             "parallel kernels (ours: all but the state passes; fla: all but chunk_*_h), and "
+             "launches that spill. An estimate of issued instructions, not a time.", ""]
+    fla = rep.get("fla") or {}
+    ours = _side(rep["launches"])
+    theirs = _side(fla.get("launches") or [])
+    lines += ["| phase | ours: dyn warp-instr G | fla: dyn warp-instr G | ours / fla | "
+              "ours: max BAR in a loop | fla: max BAR in a loop | ours: min CTAs/SM | "
+              "fla: min CTAs/SM | spilling launches ours / fla |", "|---" * 9 + "|"]
+    for phase in ("fwd", "bwd"):
+        o, t = ours[phase], theirs[phase]
+        ratio = f"{o['dynamic'] / t['dynamic']:.2f}x" if t["dynamic"] else "-"
+        fdyn = f"{t['dynamic'] / 1e9:.3f}" if t["dynamic"] else "-"
+        lines.append(f"| {phase} | {o['dynamic'] / 1e9:.3f} | {fdyn} | {ratio} | {o['bars']} | "
+                     f"{t['bars']} | {o['ctas']} | {t['ctas']} | {o['spills']} / "
+                     f"{t['spills'] if fla.get('launches') else '-'} |")
+    if fla.get("error"):
+        lines += ["", f"fla: {fla['error']}"]
+    lines += ["", "Issue 30's targets:", "", aot.targets_markdown(rep["targets"]), ""]
+    return lines
