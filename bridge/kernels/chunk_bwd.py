@@ -432,8 +432,8 @@ def chunk_dqk_kernel(
 
     # the key-side decays, split into pieces the table's dtype holds exactly
     ONE_GATE: tl.constexpr = ((G_MODE == 2) & (not USE_GK)) | ((G_MODE == 0) & USE_GK)
-    EXACT: tl.constexpr = ONE_GATE & (GAMMA_MODE == 0) & (g.dtype.element_ty == op) & (
-        gk.dtype.element_ty == op)
+    gate = (g if G_MODE == 2 else gk) if ONE_GATE else q  # (q: never an absent pointer)
+    EXACT: tl.constexpr = ONE_GATE & (GAMMA_MODE == 0) & (gate.dtype.element_ty == op)
     WIDE: tl.constexpr = (op == tl.float32) | (op == tl.float64)
     PIECES: tl.constexpr = 3 - 2 * (EXACT | WIDE | (not KGATE))
     a = decay_k(g, gk, gamma, rows, mask_t, i_h, o_k, mask_k, H, K, BT, BK, G_MODE, USE_GK,
