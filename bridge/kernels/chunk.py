@@ -42,9 +42,12 @@ def warps(name: str, plan) -> int:
         return 8 if fp32 or gv else 4
     if name == "chunk_dqk_kernel":
         return int(os.environ.get("DQKW", "4"))
-    return {"chunk_intra_kernel": 2, "chunk_dA_kernel": 8, "chunk_dv_kernel": 8}[name]
+    if name == "chunk_dv_kernel":
+        return 8 if fp32 or gv else 4
+    return {"chunk_intra_kernel": 2, "chunk_dA_kernel": 8}[name]
 
 
+DV_BV = {"bfloat16": 128, "float16": 128}  # one V block at V <= 128 (no scans redone)
 DQK_BK = {}
 DQK_BK_DEFAULT = 32
 LEVELS = BT.bit_length() - 1  # pairs inside a chunk split by their highest differing bit
@@ -202,12 +205,13 @@ def backward_launches(plan, use_dht: bool) -> list:
         ("v", "gv" if plan.gv else None, "do", cu), (T, N), (Out("dA", (B, T, H, BT)),), consts,
         flops=2 * ns * H * BT * BT * V // (2 if plan.gv else 1),
         nbytes=tokens * (H + plan.Hk) * V * isz + tokens * H * BT * 4))
+    dv_bv = c["BV"] if plan.gv else min(DV_BV.get(plan.dtype, c["BV"]), max(16, next_pow2(V)))
     launches.append(_launch(
-        plan, chunk_dv_kernel, (ns, c["NV"], H),
+        plan, chunk_dv_kernel, (ns, -(-V // dv_bv), H),
         ("k", "v", *gates, "A", "h", "dh", "final_state" if plan.gv else None,
-         "odo" if plan.gv else None, cu, "do"),
+         "odo" if plan.gv else None, "scan_table", cu, "do"),
         (T, N), (Out("dv_h", (B, T, H, V), "like:v" if own else "float32"),
-                 Out("db", (B, T, H, V)) if plan.gv else None), consts,
+                 Out("db", (B, T, H, V)) if plan.gv else None), dict(consts, BV=dv_bv),
         flops=2 * ns * BT * H * V * (BT + K),
         nbytes=(tokens * (plan.Hk * K + H * V * 2) * isz + tokens * H * BT * 4
                 + ns * H * K * V * ssz)))

@@ -171,14 +171,14 @@ def chunk_dA_kernel(
 
 @triton.jit
 def chunk_dv_kernel(
-    k, v, g, gk, gv, g_gamma, A, h, dh, final_state, odo, cu_seqlens, do,
+    k, v, g, gk, gv, g_gamma, A, h, dh, final_state, odo, tab, cu_seqlens, do,
     T, N,
     dv, db,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     G_MODE: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr, GAMMA_MODE: tl.constexpr,
     USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr, LOG_N: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    LEVELS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """dv per query head [B,T,H,V] for one chunk and V block; with gv also
     db [B,T,H,V] fp32 (its reverse sum runs over the chunk's sub-chunks)."""
@@ -197,25 +197,28 @@ def chunk_dv_kernel(
     rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
 
     if not USE_GV:
-        # A^T [s, t] read transposed from memory: a transpose in registers feeding
-        # an fp32 FMA product made ptxas spill tens of KB (bridge.aot, fp32 variants)
+        # A^T [s, t] read by transposed addresses (no transpose in registers)
         b_at = tl.load(A + (rows_c[None, :] * H + i_h) * BT + o_t[:, None], mask=mask_c[None, :],
                        other=0.)
-        b_at = tl.where(o_t[:, None] <= o_t[None, :], b_at, 0.)
         b_do = load_rows(do, rows_c, i_h, o_v, mask_c, mask_v, H, V)
-        acc = tl.dot(b_at.to(op), b_do.to(op), input_precision=DOT_PREC)
-        rows_n, mask_n = next_rows(bos, eos, p0, BT, REVERSE)
+        acc = tl.dot(tl.where(o_t[:, None] <= o_t[None, :], b_at, 0.).to(op), b_do,
+                     input_precision=DOT_PREC)
         for i_k in range(0, tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             mask_k = o_k < K
-            b_k = load_rows(k, rows_c, i_hk, o_k, mask_c, mask_k, HK, K).to(tl.float32)
-            if KGATE:
-                b_k *= tl.exp(tl.cumsum(decay_k(g, gk, gamma, rows_n, mask_n, i_h, o_k, mask_k, H,
-                                                K, BT, BK, G_MODE, USE_GK, GAMMA_MODE), 0,
-                                        reverse=True))
+            b_k = load_rows(k, rows_c, i_hk, o_k, mask_c, mask_k, HK, K)
+            if KGATE:  # token s reaches the chunk end through sum_{r > s} a_r
+                ONE_GATE: tl.constexpr = (((G_MODE == 2) & (not USE_GK)) | (
+                    (G_MODE == 0) & USE_GK)) & (GAMMA_MODE == 0)
+                gate = (g if G_MODE == 2 else gk) if ONE_GATE else k
+                PIECES: tl.constexpr = decay_pieces(op, gate.dtype.element_ty, ONE_GATE)
+                a0, a1, a2 = _split(decay_k(g, gk, gamma, rows_c, mask_c, i_h, o_k, mask_k, H, K,
+                                            BT, BK, G_MODE, USE_GK, GAMMA_MODE), op, PIECES)
+                b_k = (b_k.to(tl.float32) * tl.exp2(
+                    _scan(tab, LEVELS + 1, a0, a1, a2, BT, PIECES, "ieee") * LOG2E)).to(op)
             b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :],
                            mask=mask_k[:, None] & mask_v[None, :], other=0.)
-            acc += tl.dot(b_k.to(op), b_dh.to(op), input_precision=DOT_PREC)
+            acc += tl.dot(b_k, b_dh.to(op), input_precision=DOT_PREC)
         tl.store(dv + (rows_c[:, None] * H + i_h) * V + o_v[None, :],
                  acc.to(dv.dtype.element_ty), mask=mask_c[:, None] & mask_v[None, :])
     else:
@@ -309,13 +312,35 @@ def chunk_scan_table_kernel(tab, BT: tl.constexpr, LEVELS: tl.constexpr):
     tl.store(tab + i * BT * BT + t * BT + r, tl.where(m, 1., 0.).to(tab.dtype.element_ty))
 
 
+@triton.constexpr_function
+def decay_pieces(op, gate, one_gate):
+    """How many tiles of dtype `op` hold a tile of log decays exactly enough to
+    scan on tensor cores: 1 when the decays are one gate of that dtype (or op
+    is fp32/fp64: products are fp32 "ieee"), else 3 (24 bits, as fp32)."""
+    if op in (tl.float32, tl.float64) or (one_gate and gate == op):
+        return 1
+    return 3
+
+
 @triton.jit
-def _scan(tab, idx, a0, a1, a2, BT: tl.constexpr, PIECES: tl.constexpr, PREC: tl.constexpr):
-    """Table matrix `idx` times the decays a0 + a1 + a2 [BT, D] (PIECES of
-    them: a tile in the table's dtype holds the decays exactly only when they
-    are one gate of that dtype), fp32 [BT, D]."""
+def _split(a, op: tl.constexpr, PIECES: tl.constexpr):
+    """fp32 a [BT, D] as PIECES tiles of dtype op summing to it (see decay_pieces)."""
+    a0 = a.to(op)
+    if PIECES == 1:
+        return a0, a0, a0
+    r1 = a - a0.to(tl.float32)
+    a1 = r1.to(op)
+    return a0, a1, (r1 - a1.to(tl.float32)).to(op)
+
+
+@triton.jit
+def _scan(tab, idx, a0, a1, a2, BT: tl.constexpr, PIECES: tl.constexpr, PREC: tl.constexpr,
+          m=None):
+    """Table matrix `idx` (or the given m) times a0 + a1 + a2 [BT, D] (the
+    first PIECES of them, see decay_pieces), fp32 [BT, D]."""
     o_t = tl.arange(0, BT)
-    m = tl.load(tab + idx * BT * BT + o_t[:, None] * BT + o_t[None, :])
+    if m is None:
+        m = tl.load(tab + idx * BT * BT + o_t[:, None] * BT + o_t[None, :])
     s = tl.dot(m, a0, input_precision=PREC)
     if PIECES > 1:
         s += tl.dot(m, a1, input_precision=PREC)
@@ -326,21 +351,18 @@ def _scan(tab, idx, a0, a1, a2, BT: tl.constexpr, PIECES: tl.constexpr, PREC: tl
 @triton.jit
 def _sum_rows(tab, idx, x, BT: tl.constexpr, op: tl.constexpr):
     """(table matrix idx)^T x for an fp32 [BT, D] x: matrix LEVELS gives the
-    sums over rows r >= t, LEVELS + 1 over r < t. In the input dtype, x goes in
-    as three pieces (exact to fp32) with fp32 accumulation."""
+    sums over rows r >= t, LEVELS + 1 over r < t (x in pieces, as decays)."""
     o_t = tl.arange(0, BT)
     m = tl.load(tab + idx * BT * BT + o_t[None, :] * BT + o_t[:, None])
-    if (op == tl.float32) | (op == tl.float64):
-        return tl.dot(m, x.to(op), input_precision="ieee")
-    x0 = x.to(op)
-    r1 = x - x0.to(tl.float32)
-    x1 = r1.to(op)
-    return tl.dot(m, x0) + tl.dot(m, x1) + tl.dot(m, (r1 - x1.to(tl.float32)).to(op))
+    PIECES: tl.constexpr = decay_pieces(op, tl.float32, False)
+    x0, x1, x2 = _split(x, op, PIECES)
+    return _scan(tab, idx, x0, x1, x2, BT, PIECES, "ieee", m)
 
 
 @triton.jit
 def _levels_into(acc, b_a, b_x, tab, a0, a1, a2, BT: tl.constexpr, LEVELS: tl.constexpr,
-                 PIECES: tl.constexpr, LATER: tl.constexpr, DOT_PREC: tl.constexpr):
+                 PIECES: tl.constexpr, LATER: tl.constexpr, KGATE: tl.constexpr,
+                 DOT_PREC: tl.constexpr):
     """acc [BT, D] plus the pairs inside the chunk, level by level: row t of
     acc gets sum_s b_a[t, s] b_x[s] times the decay between s and t, b_a [BT, BT]
     dA (LATER: acc's rows are its rows, for dq) or dA^T (for dk); only the
@@ -349,6 +371,12 @@ def _levels_into(acc, b_a, b_x, tab, a0, a1, a2, BT: tl.constexpr, LEVELS: tl.co
     level's pairs) x (b_x F), scaled by F; the masked b_a picks the right rows
     of both. A runtime loop, so that one level's tiles are live at a time."""
     o_t = tl.arange(0, BT)
+    if not KGATE:  # no decays: one product with the strictly lower part
+        if LATER:
+            b_a = tl.where(o_t[:, None] > o_t[None, :], b_a, 0.)
+        else:
+            b_a = tl.where(o_t[:, None] < o_t[None, :], b_a, 0.)
+        return acc + tl.dot(b_a, b_x, input_precision=DOT_PREC)
     for lw in range(0, LEVELS):
         f = tl.exp2(_scan(tab, lw, a0, a1, a2, BT, PIECES, "ieee") * LOG2E)
         p_pair = tab + (LEVELS + 2 + lw) * BT * BT
@@ -366,12 +394,9 @@ def _scan_v(gv, tab, rows, mask_t, i_h, o_v, mask_v, idx, H: tl.constexpr, V: tl
             BT: tl.constexpr, BV: tl.constexpr, op: tl.constexpr):
     """_scan of the value-side decays gv over one V block (three pieces for 16-bit dtypes)."""
     b = decay_v(gv, rows, mask_t, i_h, o_v, mask_v, H, V, True, BT, BV)
-    b0 = b.to(op)
-    if (op == tl.float32) | (op == tl.float64):
-        return _scan(tab, idx, b0, b0, b0, BT, 1, "ieee")
-    r1 = b - b0.to(tl.float32)
-    b1 = r1.to(op)
-    return _scan(tab, idx, b0, b1, (r1 - b1.to(tl.float32)).to(op), BT, 3, "ieee")
+    PV: tl.constexpr = decay_pieces(op, gv.dtype.element_ty, True)
+    b0, b1, b2 = _split(b, op, PV)
+    return _scan(tab, idx, b0, b1, b2, BT, PV, "ieee")
 
 
 @triton.jit
@@ -431,21 +456,14 @@ def chunk_dqk_kernel(
     b_k = load_rows(k, rows, i_hk, o_k, mask_t, mask_k, HK, K)
 
     # the key-side decays, split into pieces the table's dtype holds exactly
-    ONE_GATE: tl.constexpr = ((G_MODE == 2) & (not USE_GK)) | ((G_MODE == 0) & USE_GK)
+    ONE_GATE: tl.constexpr = ((((G_MODE == 2) & (not USE_GK)) | ((G_MODE == 0) & USE_GK)) & (
+        GAMMA_MODE == 0)) | (not KGATE)
     gate = (g if G_MODE == 2 else gk) if ONE_GATE else q  # (q: never an absent pointer)
-    EXACT: tl.constexpr = ONE_GATE & (GAMMA_MODE == 0) & (gate.dtype.element_ty == op)
-    WIDE: tl.constexpr = (op == tl.float32) | (op == tl.float64)
-    PIECES: tl.constexpr = 3 - 2 * (EXACT | WIDE | (not KGATE))
+    PIECES: tl.constexpr = decay_pieces(op, gate.dtype.element_ty, ONE_GATE)
     a = decay_k(g, gk, gamma, rows, mask_t, i_h, o_k, mask_k, H, K, BT, BK, G_MODE, USE_GK,
                 GAMMA_MODE)
     e_c = tl.exp2(tl.sum(a, 0) * LOG2E)  # the decay over the whole chunk [BK]
-    a0 = a.to(op)
-    a1 = a0
-    a2 = a0
-    if PIECES > 1:
-        r1 = a - a0.to(tl.float32)
-        a1 = r1.to(op)
-        a2 = (r1 - a1.to(tl.float32)).to(op)
+    a0, a1, a2 = _split(a, op, PIECES)
 
     # dq through the chunk start's state: scale (do gated) h^T, decayed from the start
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
@@ -478,7 +496,7 @@ def chunk_dqk_kernel(
             dgamma += tl.sum(tl.sum(dist.to(tl.float32) * b_a.to(tl.float32) * b_da, 1), 0)
     # (the level masks keep only pairs s < t: no mask here; dA's scale goes on after)
     b_dq = _levels_into(b_dq, b_da.to(op), b_k, tab, a0, a1, a2, BT, LEVELS, PIECES, True,
-                        DOT_PREC) * scale
+                        KGATE, DOT_PREC) * scale
     p_self = dA + (rows * H + i_h) * BT + o_t  # dA[t, t]: the step's own q.k term
     d_self = tl.load(p_self, mask=mask_t, other=0.) * scale
     # the step's own term, with k loaded again: no fp32 copy of k kept live
@@ -492,7 +510,7 @@ def chunk_dqk_kernel(
     b_dat = tl.load(dA + (rows[None, :] * H + i_h) * BT + o_t[:, None], mask=mask_t[None, :],
                     other=0.)
     b_dk = _levels_into(tl.zeros([BT, BK], dtype=tl.float32), b_dat.to(op), b_q, tab, a0, a1,
-                        a2, BT, LEVELS, PIECES, False, DOT_PREC) * scale
+                        a2, BT, LEVELS, PIECES, False, KGATE, DOT_PREC) * scale
     if KGATE:
         x -= b_k.to(tl.float32) * b_dk
 
