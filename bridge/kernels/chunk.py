@@ -21,7 +21,7 @@ import os
 from ..launch import Launch, Out
 from .chunk_bwd import (chunk_dA_kernel, chunk_dgamma_kernel, chunk_dqk_kernel, chunk_dv_kernel,
                         chunk_scan_table_kernel)
-from .common import check_k, flags, gate_inputs, key_gated, next_pow2
+from .common import check_k, flags, gate_inputs, next_pow2
 from .chunk_fwd import chunk_intra_kernel, chunk_output_kernel, chunk_state_kernel
 
 BT = 64  # chunk length
@@ -41,15 +41,14 @@ def warps(name: str, plan) -> int:
     if name == "chunk_output_kernel":
         return 8 if fp32 or gv else 4
     if name == "chunk_dqk_kernel":
-        return int(os.environ.get("DQKW", "4"))
+        return 8 if fp32 else 4
     if name == "chunk_dv_kernel":
         return 8 if fp32 or gv else 4
     return {"chunk_intra_kernel": 2, "chunk_dA_kernel": 8}[name]
 
 
 DV_BV = {"bfloat16": 128, "float16": 128}  # one V block at V <= 128 (no scans redone)
-DQK_BK = {}
-DQK_BK_DEFAULT = 32
+DQK_BK = 32  # [BT, 32] tiles: dq, dk, one level's factors and products fit in registers
 LEVELS = BT.bit_length() - 1  # pairs inside a chunk split by their highest differing bit
 
 
@@ -110,7 +109,8 @@ def scan_table_launch(plan) -> Launch:
     n = 2 * LEVELS + 2
     return Launch(chunk_scan_table_kernel, grid=(n,), inputs=(), scalars=(),
                   outputs=(Out("scan_table", (n, BT, BT), "like:q"),),
-                  constexprs=dict(BT=BT, LEVELS=LEVELS), num_warps=4, bytes=n * BT * BT * _size(plan))
+                  constexprs=dict(BT=BT, LEVELS=LEVELS), num_warps=4,
+                  bytes=n * BT * BT * _size(plan))
 
 
 def state_launches(plan, backward: bool, use_s_in: bool, store_out: bool) -> list:
@@ -184,11 +184,10 @@ def backward_launches(plan, use_dht: bool) -> list:
     dfinal_state [N,H,K,V]; writes the buffers bridge.grads reads."""
     c = config(plan)
     B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
-    ns, nc, isz = slots(plan), BT // BC, _size(plan)
+    ns, isz = slots(plan), _size(plan)
     consts = _consts(plan, c)
     gates = gate_inputs(plan)
     cu = "cu_seqlens" if plan.varlen else None
-    kgate = key_gated(plan)
     own = plan.group == 1  # per-query-head dk/dv are the gradients themselves
     ssz = _state_size(plan)
     tokens = B * T
@@ -201,21 +200,20 @@ def backward_launches(plan, use_dht: bool) -> list:
     if plan.gv:
         launches.append(output_launch(plan, prime=True))
     launches.append(_launch(
-        plan, chunk_dA_kernel, (ns * (nc if plan.gv else 1), H),
-        ("v", "gv" if plan.gv else None, "do", cu), (T, N), (Out("dA", (B, T, H, BT)),), consts,
-        flops=2 * ns * H * BT * BT * V // (2 if plan.gv else 1),
+        plan, chunk_dA_kernel, (ns, H), ("v", "gv" if plan.gv else None, "do", "scan_table", cu),
+        (T, N), (Out("dA", (B, T, H, BT)),), consts,
+        flops=2 * ns * H * BT * BT * V * (1 + (LEVELS + 1 if plan.gv else 0)),
         nbytes=tokens * (H + plan.Hk) * V * isz + tokens * H * BT * 4))
     dv_bv = c["BV"] if plan.gv else min(DV_BV.get(plan.dtype, c["BV"]), max(16, next_pow2(V)))
     launches.append(_launch(
         plan, chunk_dv_kernel, (ns, -(-V // dv_bv), H),
-        ("k", "v", *gates, "A", "h", "dh", "final_state" if plan.gv else None,
-         "odo" if plan.gv else None, "scan_table", cu, "do"),
+        ("k", "v", *gates, "A", "h", "dh", "odo" if plan.gv else None, "scan_table", cu, "do"),
         (T, N), (Out("dv_h", (B, T, H, V), "like:v" if own else "float32"),
                  Out("db", (B, T, H, V)) if plan.gv else None), dict(consts, BV=dv_bv),
         flops=2 * ns * BT * H * V * (BT + K),
         nbytes=(tokens * (plan.Hk * K + H * V * 2) * isz + tokens * H * BT * 4
                 + ns * H * K * V * ssz)))
-    bk = int(os.environ.get('DQKBK', DQK_BK.get(plan.dtype, min(c["BK"], DQK_BK_DEFAULT))))
+    bk = min(c["BK"], DQK_BK)
     nk = -(-K // bk)
     launches.append(_launch(
         plan, chunk_dqk_kernel, (ns, nk, H),
@@ -228,7 +226,7 @@ def backward_launches(plan, use_dht: bool) -> list:
          if plan.g == "key" or plan.gk else None,
          Out("dg_head", (nk, B, T, H)) if plan.g == "head" else None,
          Out("dgamma_part", (nk, ns, H)) if plan.g_gamma != "none" else None),
-        dict(consts, BK=bk, ABL=int(os.environ.get('ABL', '0'))),
+        dict(consts, BK=bk),
         flops=2 * ns * BT * H * K * (2 * V + (2 + 3 * LEVELS) * BT),
         nbytes=(tokens * (2 * H * K + plan.Hk * (K + V) + H * V) * isz
                 + tokens * H * BT * 4 + 2 * ns * H * K * V * ssz)))

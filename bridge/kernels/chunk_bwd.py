@@ -22,156 +22,60 @@ be referenced per pair (see chunk_fwd.py's precision note).
 import triton
 import triton.language as tl
 
-from .common import (block_rows, decay_k, decay_k_between, decay_v, first_slot, head_gamma,
-                     load_rows, next_rows, row_of, seq_bounds, slot_chunk)
+from .common import (block_rows, decay_k, decay_v, first_slot, head_gamma, load_rows, seq_bounds,
+                     slot_chunk)
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E): one MUFU.EX2
 
 
 @triton.jit
-def _sub_decay_k(g, gk, gamma, bos, eos, p0, i, i_h, o_k, mask_k, H: tl.constexpr,
-                 K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                 G_MODE: tl.constexpr, USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr,
-                 REVERSE: tl.constexpr):
-    """Key-side decays of sub-chunk i over one K block: l [BC,BK] = sum from its
-    start to t (inclusive), r [BC,BK] = sum after s to its end, and the totals
-    of the chunk's earlier (pre) and later (post) sub-chunks [BK]."""
-    rows, mask = block_rows(bos, eos, p0 + i * BC, BC, REVERSE)
-    rows_n, mask_n = next_rows(bos, eos, p0 + i * BC, BC, REVERSE)
-    rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
-    o_t = tl.arange(0, BT)
-    l = tl.cumsum(decay_k(g, gk, gamma, rows, mask, i_h, o_k, mask_k, H, K, BC, BK, G_MODE,
-                          USE_GK, GAMMA_MODE), 0)
-    r = tl.cumsum(decay_k(g, gk, gamma, rows_n, mask_n, i_h, o_k, mask_k, H, K, BC, BK, G_MODE,
-                          USE_GK, GAMMA_MODE), 0, reverse=True)
-    pre = tl.sum(decay_k(g, gk, gamma, rows_c, mask_c & (o_t < i * BC), i_h, o_k, mask_k, H, K,
-                         BT, BK, G_MODE, USE_GK, GAMMA_MODE), 0)
-    post = tl.sum(decay_k(g, gk, gamma, rows_c, mask_c & (o_t >= (i + 1) * BC), i_h, o_k, mask_k,
-                          H, K, BT, BK, G_MODE, USE_GK, GAMMA_MODE), 0)
-    return l, r, pre, post
-
-
-@triton.jit
-def _sub_decay_v(gv, bos, eos, p0, i, i_h, o_v, mask_v, H: tl.constexpr, V: tl.constexpr,
-                 BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, USE_GV: tl.constexpr,
-                 REVERSE: tl.constexpr):
-    """_sub_decay_k's four quantities for the value-side decays gv."""
-    rows, mask = block_rows(bos, eos, p0 + i * BC, BC, REVERSE)
-    rows_n, mask_n = next_rows(bos, eos, p0 + i * BC, BC, REVERSE)
-    rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
-    o_t = tl.arange(0, BT)
-    l = tl.cumsum(decay_v(gv, rows, mask, i_h, o_v, mask_v, H, V, USE_GV, BC, BV), 0)
-    r = tl.cumsum(decay_v(gv, rows_n, mask_n, i_h, o_v, mask_v, H, V, USE_GV, BC, BV), 0,
-                  reverse=True)
-    pre = tl.sum(decay_v(gv, rows_c, mask_c & (o_t < i * BC), i_h, o_v, mask_v, H, V, USE_GV,
-                         BT, BV), 0)
-    post = tl.sum(decay_v(gv, rows_c, mask_c & (o_t >= (i + 1) * BC), i_h, o_v, mask_v, H, V,
-                          USE_GV, BT, BV), 0)
-    return l, r, pre, post
-
-
-@triton.jit
-def _between(x, bos, eos, p0, j, i, i_h, o_d, mask_d, H: tl.constexpr, D: tl.constexpr,
-             BT: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, REVERSE: tl.constexpr):
-    """Total over the sub-chunks strictly between j < i of a per-step gate x
-    [*, H, D] (fp32 [BD]; 0 when adjacent)."""
-    rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
-    o_t = tl.arange(0, BT)
-    m = mask_c & (o_t >= (j + 1) * BC) & (o_t < i * BC)
-    return tl.sum(load_rows(x, rows_c, i_h, o_d, m, mask_d, H, D).to(tl.float32), 0)
-
-
-@triton.jit
-def _end_state(h, ht, i_s, i_n, last, o_k, mask_k, o_v, mask_v, H: tl.constexpr, K: tl.constexpr,
-               V: tl.constexpr, i_h):
-    """The state at the end of the chunk in slot i_s, fp32 [BK, BV]: the next
-    slot's h, or the final state for a sequence's last chunk."""
-    p_kv = o_k[:, None] * V + o_v[None, :]
-    m = mask_k[:, None] & mask_v[None, :]
-    nxt = tl.load(h + ((i_s + 1) * H + i_h).to(tl.int64) * K * V + p_kv, mask=m & (not last),
-                  other=0.).to(tl.float32)
-    fin = tl.load(ht + (i_n * H + i_h).to(tl.int64) * K * V + p_kv, mask=m & last, other=0.)
-    return nxt + fin
-
-
-@triton.jit
 def chunk_dA_kernel(
-    v, gv, do, cu_seqlens,
+    v, gv, do, tab, cu_seqlens,
     T, N,
     dA,
     H: tl.constexpr, HK: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr,
     USE_GV: tl.constexpr, IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr, LOG_N: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    LEVELS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """dA [B,T,H,BT] fp32 (0 above the diagonal). Without gv one program per
-    (chunk, head); with gv one per (chunk x sub-chunk, head), by sub-chunk pairs."""
-    i_x, i_h = tl.program_id(0), tl.program_id(1)
+    """dA [B,T,H,BT] fp32 (0 above the diagonal), one program per (chunk, head).
+    With gv, pairs by levels as in _levels_into: level l adds (do F_l)(v F_l)^T
+    on its pairs, F_l from the value decays."""
+    i_s, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (H // HK)
-    NC: tl.constexpr = BT // BC
     op = v.dtype.element_ty
-    if not USE_GV:
-        i_n, bos, eos, p0 = slot_chunk(cu_seqlens, i_x, T, N, BT, IS_VARLEN, LOG_N)
-        if p0 >= eos - bos:
-            return
-        o_t = tl.arange(0, BT)
-        rows, mask_t = block_rows(bos, eos, p0, BT, REVERSE)
-        acc = tl.zeros([BT, BT], dtype=tl.float32)
-        for i_v in range(0, tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            mask_v = o_v < V
-            b_do = load_rows(do, rows, i_h, o_v, mask_t, mask_v, H, V)
-            b_v = load_rows(v, rows, i_hk, o_v, mask_t, mask_v, HK, V)
+    i_n, bos, eos, p0 = slot_chunk(cu_seqlens, i_s, T, N, BT, IS_VARLEN, LOG_N)
+    if p0 >= eos - bos:
+        return
+    o_t = tl.arange(0, BT)
+    rows, mask_t = block_rows(bos, eos, p0, BT, REVERSE)
+    acc = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        mask_v = o_v < V
+        b_do = load_rows(do, rows, i_h, o_v, mask_t, mask_v, H, V)
+        b_v = load_rows(v, rows, i_hk, o_v, mask_t, mask_v, HK, V)
+        if not USE_GV:
             acc += tl.dot(b_do.to(op), tl.trans(b_v.to(op)), input_precision=DOT_PREC)
-        acc = tl.where(o_t[:, None] >= o_t[None, :], acc, 0.)
-        tl.store(dA + (rows[:, None] * H + i_h) * BT + o_t[None, :], acc, mask=mask_t[:, None])
-    else:
-        i_s, i_i = i_x // NC, i_x % NC
-        i_n, bos, eos, p0 = slot_chunk(cu_seqlens, i_s, T, N, BT, IS_VARLEN, LOG_N)
-        if p0 + i_i * BC >= eos - bos:
-            return
-        o_c = tl.arange(0, BC)
-        rows_i, mask_i = block_rows(bos, eos, p0 + i_i * BC, BC, REVERSE)
-        p_da = dA + (rows_i[:, None] * H + i_h) * BT + o_c[None, :]
-        for j in range(0, i_i):
-            rows_j, mask_j = block_rows(bos, eos, p0 + j * BC, BC, REVERSE)
-            rows_jn, mask_jn = next_rows(bos, eos, p0 + j * BC, BC, REVERSE)
-            acc = tl.zeros([BC, BC], dtype=tl.float32)
-            for i_v in range(0, tl.cdiv(V, BV)):
-                o_v = i_v * BV + tl.arange(0, BV)
-                mask_v = o_v < V
-                lb_i = tl.cumsum(decay_v(gv, rows_i, mask_i, i_h, o_v, mask_v, H, V, USE_GV, BC,
-                                         BV), 0)
-                rb_j = tl.cumsum(decay_v(gv, rows_jn, mask_jn, i_h, o_v, mask_v, H, V, USE_GV, BC,
-                                         BV), 0, reverse=True)
-                mb = _between(gv, bos, eos, p0, j, i_i, i_h, o_v, mask_v, H, V, BT, BC, BV, REVERSE)
-                b_do = load_rows(do, rows_i, i_h, o_v, mask_i, mask_v, H, V).to(tl.float32)
-                b_v = load_rows(v, rows_j, i_hk, o_v, mask_j, mask_v, HK, V).to(tl.float32)
-                acc += tl.dot((b_do * tl.exp(lb_i)).to(op),
-                              tl.trans((b_v * tl.exp(rb_j + mb[None, :])).to(op)),
-                              input_precision=DOT_PREC)
-            tl.store(p_da + j * BC, acc, mask=mask_i[:, None])
-        acc = tl.zeros([BC, BC], dtype=tl.float32)
-        for i_v in range(0, tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            mask_v = o_v < V
-            lb_i = tl.cumsum(decay_v(gv, rows_i, mask_i, i_h, o_v, mask_v, H, V, USE_GV, BC, BV), 0)
-            b_do = load_rows(do, rows_i, i_h, o_v, mask_i, mask_v, H, V).to(tl.float32)
-            b_v = load_rows(v, rows_i, i_hk, o_v, mask_i, mask_v, HK, V).to(tl.float32)
-            for s in range(0, BC):
-                causal = (o_c >= s)[:, None]
-                v_s, lb_s = row_of(b_v, o_c, s), row_of(lb_i, o_c, s)
-                d = tl.exp(tl.where(causal, lb_i - lb_s[None, :], 0.))
-                col = tl.sum(tl.where(causal, b_do * v_s[None, :] * d, 0.), 1)
-                acc += tl.where(o_c[None, :] == s, col[:, None], 0.)
-        tl.store(p_da + i_i * BC, acc, mask=mask_i[:, None])
-        for j in range(i_i + 1, NC):
-            tl.store(p_da + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=mask_i[:, None])
+        else:
+            acc += tl.where(o_t[:, None] == o_t[None, :], tl.dot(
+                b_do.to(op), tl.trans(b_v.to(op)), input_precision=DOT_PREC), 0.)
+            PV: tl.constexpr = decay_pieces(op, gv.dtype.element_ty, True)
+            b0, b1, b2 = _split(decay_v(gv, rows, mask_t, i_h, o_v, mask_v, H, V, True, BT, BV),
+                                op, PV)
+            for lw in range(0, LEVELS):
+                f = tl.exp2(_scan(tab, lw, b0, b1, b2, BT, PV, "ieee") * LOG2E)
+                pair = tl.load(tab + (LEVELS + 2 + lw) * BT * BT + o_t[:, None] * BT + o_t[None, :])
+                acc += pair.to(tl.float32) * tl.dot(
+                    (b_do.to(tl.float32) * f).to(op), tl.trans((b_v.to(tl.float32) * f).to(op)),
+                    input_precision=DOT_PREC)
+    acc = tl.where(o_t[:, None] >= o_t[None, :], acc, 0.)
+    tl.store(dA + (rows[:, None] * H + i_h) * BT + o_t[None, :], acc, mask=mask_t[:, None])
 
 
 @triton.jit
 def chunk_dv_kernel(
-    k, v, g, gk, gv, g_gamma, A, h, dh, final_state, odo, tab, cu_seqlens, do,
+    k, v, g, gk, gv, g_gamma, A, h, dh, odo, tab, cu_seqlens, do,
     T, N,
     dv, db,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -221,71 +125,58 @@ def chunk_dv_kernel(
             acc += tl.dot(b_k, b_dh.to(op), input_precision=DOT_PREC)
         tl.store(dv + (rows_c[:, None] * H + i_h) * V + o_v[None, :],
                  acc.to(dv.dtype.element_ty), mask=mask_c[:, None] & mask_v[None, :])
-    else:
-        NC: tl.constexpr = BT // BC
-        o_c = tl.arange(0, BC)
-        last = p0 + BT >= eos - bos
-        # sum_K dh_end * S_end: everything after this chunk, for db
-        carried = tl.zeros([BV], dtype=tl.float32)
+    else:  # value decays: dv's pairs by levels too, and the value-gate gradient db
+        PV: tl.constexpr = decay_pieces(op, gv.dtype.element_ty, True)
+        b = decay_v(gv, rows_c, mask_c, i_h, o_v, mask_v, H, V, True, BT, BV)
+        e_b = tl.exp2(tl.sum(b, 0) * LOG2E)  # the value decay over the whole chunk [BV]
+        b0, b1, b2 = _split(b, op, PV)
+        # through the chunk end's state gradient: (k gated) dh, decayed to the chunk end
+        acc_s = tl.zeros([BT, BV], dtype=tl.float32)
+        start = tl.zeros([BV], dtype=tl.float32)  # sum_K dh_end h_start exp(A_c), for db
         for i_k in range(0, tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             mask_k = o_k < K
-            b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :],
-                           mask=mask_k[:, None] & mask_v[None, :], other=0.).to(tl.float32)
-            s_end = _end_state(h, final_state, i_s, i_n, last, o_k, mask_k, o_v, mask_v, H, K, V,
-                               i_h)
-            carried += tl.sum(b_dh * s_end, 0)
-        suffix = tl.zeros([BV], dtype=tl.float32)
-        for j in tl.static_range(NC - 1, -1, -1):
-            rows_j, mask_j = block_rows(bos, eos, p0 + j * BC, BC, REVERSE)
-            lb_j, rb_j, _pre, post_b = _sub_decay_v(gv, bos, eos, p0, j, i_h, o_v, mask_v, H, V,
-                                                    BT, BC, BV, USE_GV, REVERSE)
-            acc = tl.zeros([BC, BV], dtype=tl.float32)
-            for i_k in range(0, tl.cdiv(K, BK)):
-                o_k = i_k * BK + tl.arange(0, BK)
-                mask_k = o_k < K
-                b_k = load_rows(k, rows_j, i_hk, o_k, mask_j, mask_k, HK, K).to(tl.float32)
-                if KGATE:
-                    _l, r_j, _p, post_a = _sub_decay_k(g, gk, gamma, bos, eos, p0, j, i_h, o_k,
-                                                       mask_k, H, K, BT, BC, BK, G_MODE, USE_GK,
-                                                       GAMMA_MODE, REVERSE)
-                    b_k *= tl.exp(r_j + post_a[None, :])
-                b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :],
-                               mask=mask_k[:, None] & mask_v[None, :], other=0.)
-                acc += tl.dot(b_k.to(op), b_dh.to(op), input_precision=DOT_PREC)
-            acc *= tl.exp(rb_j + post_b[None, :])
-            for ii in tl.static_range(j + 1, NC):
-                rows_i, mask_i = block_rows(bos, eos, p0 + ii * BC, BC, REVERSE)
-                lb_i = tl.cumsum(decay_v(gv, rows_i, mask_i, i_h, o_v, mask_v, H, V, USE_GV, BC,
-                                         BV), 0)
-                mb = _between(gv, bos, eos, p0, j, ii, i_h, o_v, mask_v, H, V, BT, BC, BV, REVERSE)
-                b_a = tl.load(A + (rows_i[:, None] * H + i_h) * BT + j * BC + o_c[None, :],
-                              mask=mask_i[:, None], other=0.)
-                b_do = load_rows(do, rows_i, i_h, o_v, mask_i, mask_v, H, V).to(tl.float32)
-                acc += tl.exp(rb_j + mb[None, :]) * tl.dot(
-                    tl.trans(b_a.to(op)), (b_do * tl.exp(lb_i)).to(op), input_precision=DOT_PREC)
-            # the diagonal block, one later row t at a time; dv' leaves out t = s
-            b_a = tl.load(A + (rows_j[:, None] * H + i_h) * BT + j * BC + o_c[None, :],
-                          mask=mask_j[:, None], other=0.)
-            b_do = load_rows(do, rows_j, i_h, o_v, mask_j, mask_v, H, V).to(tl.float32)
-            for t in range(0, BC):
-                later = (o_c < t)[:, None]
-                a_t = row_of(b_a, o_c, t)  # A[t, s] over s
-                do_t, lb_t = row_of(b_do, o_c, t), row_of(lb_j, o_c, t)
-                d = tl.exp(tl.where(later, lb_t[None, :] - lb_j, 0.))
-                acc += tl.where(later, a_t[:, None] * do_t[None, :] * d, 0.)
-            a_ss = tl.sum(tl.where(o_c[:, None] == o_c[None, :], b_a, 0.), 1)
-            b_v = load_rows(v, rows_j, i_hk, o_v, mask_j, mask_v, HK, V).to(tl.float32)
-            x = (tl.load(odo + (rows_j[:, None] * H + i_h) * V + o_v[None, :],
-                         mask=mask_j[:, None] & mask_v[None, :], other=0.) - b_v * acc)
-            b_db = tl.cumsum(x, 0, reverse=True) + (suffix + carried)[None, :]
-            suffix += tl.sum(x, 0)
-            if (not USE_H0) and (j == 0):  # as for da in chunk_dqk_kernel
-                b_db = tl.where(((o_c == 0) & (p0 == 0))[:, None], 0., b_db)
-            m_o = mask_j[:, None] & mask_v[None, :]
-            tl.store(db + (rows_j[:, None] * H + i_h) * V + o_v[None, :], b_db, mask=m_o)
-            tl.store(dv + (rows_j[:, None] * H + i_h) * V + o_v[None, :],
-                     (acc + a_ss[:, None] * b_do).to(dv.dtype.element_ty), mask=m_o)
+            m_kv = mask_k[:, None] & mask_v[None, :]
+            b_k = load_rows(k, rows_c, i_hk, o_k, mask_c, mask_k, HK, K)
+            b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+            b_hdh = tl.load(h + (i_s * H + i_h).to(tl.int64) * K * V + o_k[:, None] * V
+                            + o_v[None, :], mask=m_kv, other=0.).to(tl.float32) * b_dh.to(
+                                tl.float32)
+            if KGATE:
+                ONE_GATE: tl.constexpr = (((G_MODE == 2) & (not USE_GK)) | (
+                    (G_MODE == 0) & USE_GK)) & (GAMMA_MODE == 0)
+                gate = (g if G_MODE == 2 else gk) if ONE_GATE else k
+                PIECES: tl.constexpr = decay_pieces(op, gate.dtype.element_ty, ONE_GATE)
+                a = decay_k(g, gk, gamma, rows_c, mask_c, i_h, o_k, mask_k, H, K, BT, BK, G_MODE,
+                            USE_GK, GAMMA_MODE)
+                b_hdh *= tl.exp2(tl.sum(a, 0) * LOG2E)[:, None]
+                a0, a1, a2 = _split(a, op, PIECES)
+                b_k = (b_k.to(tl.float32) * tl.exp2(
+                    _scan(tab, LEVELS + 1, a0, a1, a2, BT, PIECES, "ieee") * LOG2E)).to(op)
+            start += tl.sum(b_hdh, 0)
+            acc_s += tl.dot(b_k, b_dh.to(op), input_precision=DOT_PREC)
+        acc_s *= tl.exp2(_scan(tab, LEVELS + 1, b0, b1, b2, BT, PV, "ieee") * LOG2E)
+        # inside the chunk: A^T (by transposed addresses) times do, by levels
+        b_at = tl.load(A + (rows_c[None, :] * H + i_h) * BT + o_t[:, None], mask=mask_c[None, :],
+                       other=0.)
+        b_do = load_rows(do, rows_c, i_h, o_v, mask_c, mask_v, H, V)
+        acc_i = _levels_into(tl.zeros([BT, BV], dtype=tl.float32), b_at.to(op), b_do, tab, b0,
+                             b1, b2, BT, LEVELS, PV, False, True, DOT_PREC)
+        a_self = tl.load(A + (rows_c * H + i_h) * BT + o_t, mask=mask_c, other=0.)
+        m_o = mask_c[:, None] & mask_v[None, :]
+        tl.store(dv + (rows_c[:, None] * H + i_h) * V + o_v[None, :],
+                 (acc_s + acc_i + a_self.to(tl.float32)[:, None] * b_do.to(tl.float32)).to(
+                     dv.dtype.element_ty), mask=m_o)
+        # db_r = sum_{t >= r} (o' do - v dv')_t + sum_K dh_end S_end, split as for da
+        # in chunk_dqk_kernel (the chunk's own part of S_end cancels dv_state for t >= r)
+        b_v = load_rows(v, rows_c, i_hk, o_v, mask_c, mask_v, HK, V).to(tl.float32)
+        x = tl.load(odo + (rows_c[:, None] * H + i_h) * V + o_v[None, :], mask=m_o,
+                    other=0.) - b_v * acc_i
+        b_db = (_sum_rows(tab, LEVELS, x, BT, op) + _sum_rows(tab, LEVELS + 1, b_v * acc_s, BT, op)
+                + (start * e_b)[None, :])
+        if not USE_H0:  # as for da in chunk_dqk_kernel
+            b_db = tl.where(((o_t == 0) & (p0 == 0))[:, None], 0., b_db)
+        tl.store(db + (rows_c[:, None] * H + i_h) * V + o_v[None, :], b_db, mask=m_o)
 
 
 @triton.jit
