@@ -276,7 +276,17 @@ def _levels_into(acc, b_a, b_x, tab, a0, a1, a2, BT: tl.constexpr, LEVELS: tl.co
         else:  # by transposed addresses, in the layout of b_a's transposed load
             pair = tl.load(p_pair + o_t[None, :] * BT + o_t[:, None])
         b_w = (b_a.to(tl.float32) * pair.to(tl.float32)).to(b_a.dtype)
-        acc += f * tl.dot(b_w, (f * b_x.to(tl.float32)).to(b_x.dtype), input_precision=DOT_PREC)
+        # b_x F in two pieces of its dtype (16 bits of mantissa): rounded to one,
+        # the dq and dk sides of a pair round differently and the gate gradient,
+        # where the two cancel, loses the difference (5x on dg, see SPEC.md)
+        y = f * b_x.to(tl.float32)
+        y0 = y.to(b_x.dtype)
+        if (b_x.dtype == tl.float32) | (b_x.dtype == tl.float64):
+            p = tl.dot(b_w, y0, input_precision=DOT_PREC)
+        else:
+            p = tl.dot(b_w, (y - y0.to(tl.float32)).to(b_x.dtype), input_precision=DOT_PREC)
+            p = tl.dot(b_w, y0, p, input_precision=DOT_PREC)
+        acc += f * p
     return acc
 
 
