@@ -105,12 +105,15 @@ def _launch(plan, kernel, grid, inputs, scalars, outputs, consts, flops=0, nbyte
 
 
 def scan_table_launch(plan) -> Launch:
-    """The constant 0/1 matrices of chunk_scan_table_kernel, in q's dtype."""
+    """The constant 0/1 matrices of chunk_scan_table_kernel: in q's dtype for
+    16-bit inputs, else bf16 (their products run on tensor cores whatever the
+    inputs: fp32 values go in as three exact bf16 pieces)."""
     n = 2 * LEVELS + 2
+    dtype = "like:q" if plan.dtype in ("bfloat16", "float16") else "bfloat16"
     return Launch(chunk_scan_table_kernel, grid=(n,), inputs=(), scalars=(),
-                  outputs=(Out("scan_table", (n, BT, BT), "like:q"),),
+                  outputs=(Out("scan_table", (n, BT, BT), dtype),),
                   constexprs=dict(BT=BT, LEVELS=LEVELS), num_warps=4,
-                  bytes=n * BT * BT * _size(plan))
+                  bytes=n * BT * BT * 2)
 
 
 def state_launches(plan, backward: bool, use_s_in: bool, store_out: bool) -> list:

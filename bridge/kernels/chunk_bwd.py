@@ -44,6 +44,7 @@ def chunk_dA_kernel(
     i_s, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (H // HK)
     op = v.dtype.element_ty
+    sop = tab.dtype.element_ty  # the scan table's 16-bit dtype
     i_n, bos, eos, p0 = slot_chunk(cu_seqlens, i_s, T, N, BT, IS_VARLEN, LOG_N)
     if p0 >= eos - bos:
         return
@@ -60,11 +61,11 @@ def chunk_dA_kernel(
         else:
             acc += tl.where(o_t[:, None] == o_t[None, :], tl.dot(
                 b_do.to(op), tl.trans(b_v.to(op)), input_precision=DOT_PREC), 0.)
-            PV: tl.constexpr = decay_pieces(op, gv.dtype.element_ty, True)
+            PV: tl.constexpr = decay_pieces(sop, gv.dtype.element_ty, True)
             b0, b1, b2 = _split(decay_v(gv, rows, mask_t, i_h, o_v, mask_v, H, V, True, BT, BV),
-                                op, PV)
+                                sop, PV)
             for lw in range(0, LEVELS):
-                f = tl.exp2(_scan(tab, lw, b0, b1, b2, BT, PV, "ieee") * LOG2E)
+                f = tl.exp2(_scan(tab, lw, b0, b1, b2, BT, PV) * LOG2E)
                 pair = tl.load(tab + (LEVELS + 2 + lw) * BT * BT + o_t[:, None] * BT + o_t[None, :])
                 acc += pair.to(tl.float32) * tl.dot(
                     (b_do.to(tl.float32) * f).to(op), tl.trans((b_v.to(tl.float32) * f).to(op)),
@@ -98,6 +99,7 @@ def chunk_dv_kernel(
     mask_v = o_v < V
     p_dh = dh + (i_s * H + i_h).to(tl.int64) * K * V
     op = v.dtype.element_ty
+    sop = tab.dtype.element_ty  # the scan table's 16-bit dtype
     rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
 
     if not USE_GV:
@@ -115,21 +117,21 @@ def chunk_dv_kernel(
                 ONE_GATE: tl.constexpr = (((G_MODE == 2) & (not USE_GK)) | (
                     (G_MODE == 0) & USE_GK)) & (GAMMA_MODE == 0)
                 gate = (g if G_MODE == 2 else gk) if ONE_GATE else k
-                PIECES: tl.constexpr = decay_pieces(op, gate.dtype.element_ty, ONE_GATE)
+                PIECES: tl.constexpr = decay_pieces(sop, gate.dtype.element_ty, ONE_GATE)
                 a0, a1, a2 = _split(decay_k(g, gk, gamma, rows_c, mask_c, i_h, o_k, mask_k, H, K,
-                                            BT, BK, G_MODE, USE_GK, GAMMA_MODE), op, PIECES)
+                                            BT, BK, G_MODE, USE_GK, GAMMA_MODE), sop, PIECES)
                 b_k = (b_k.to(tl.float32) * tl.exp2(
-                    _scan(tab, LEVELS + 1, a0, a1, a2, BT, PIECES, "ieee") * LOG2E)).to(op)
+                    _scan(tab, LEVELS + 1, a0, a1, a2, BT, PIECES) * LOG2E)).to(op)
             b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :],
                            mask=mask_k[:, None] & mask_v[None, :], other=0.)
             acc += tl.dot(b_k, b_dh.to(op), input_precision=DOT_PREC)
         tl.store(dv + (rows_c[:, None] * H + i_h) * V + o_v[None, :],
                  acc.to(dv.dtype.element_ty), mask=mask_c[:, None] & mask_v[None, :])
     else:  # value decays: dv's pairs by levels too, and the value-gate gradient db
-        PV: tl.constexpr = decay_pieces(op, gv.dtype.element_ty, True)
+        PV: tl.constexpr = decay_pieces(sop, gv.dtype.element_ty, True)
         b = decay_v(gv, rows_c, mask_c, i_h, o_v, mask_v, H, V, True, BT, BV)
         e_b = tl.exp2(tl.sum(b, 0) * LOG2E)  # the value decay over the whole chunk [BV]
-        b0, b1, b2 = _split(b, op, PV)
+        b0, b1, b2 = _split(b, sop, PV)
         # through the chunk end's state gradient: (k gated) dh, decayed to the chunk end
         acc_s = tl.zeros([BT, BV], dtype=tl.float32)
         start = tl.zeros([BV], dtype=tl.float32)  # sum_K dh_end h_start exp(A_c), for db
@@ -146,16 +148,16 @@ def chunk_dv_kernel(
                 ONE_GATE: tl.constexpr = (((G_MODE == 2) & (not USE_GK)) | (
                     (G_MODE == 0) & USE_GK)) & (GAMMA_MODE == 0)
                 gate = (g if G_MODE == 2 else gk) if ONE_GATE else k
-                PIECES: tl.constexpr = decay_pieces(op, gate.dtype.element_ty, ONE_GATE)
+                PIECES: tl.constexpr = decay_pieces(sop, gate.dtype.element_ty, ONE_GATE)
                 a = decay_k(g, gk, gamma, rows_c, mask_c, i_h, o_k, mask_k, H, K, BT, BK, G_MODE,
                             USE_GK, GAMMA_MODE)
                 b_hdh *= tl.exp2(tl.sum(a, 0) * LOG2E)[:, None]
-                a0, a1, a2 = _split(a, op, PIECES)
+                a0, a1, a2 = _split(a, sop, PIECES)
                 b_k = (b_k.to(tl.float32) * tl.exp2(
-                    _scan(tab, LEVELS + 1, a0, a1, a2, BT, PIECES, "ieee") * LOG2E)).to(op)
+                    _scan(tab, LEVELS + 1, a0, a1, a2, BT, PIECES) * LOG2E)).to(op)
             start += tl.sum(b_hdh, 0)
             acc_s += tl.dot(b_k, b_dh.to(op), input_precision=DOT_PREC)
-        acc_s *= tl.exp2(_scan(tab, LEVELS + 1, b0, b1, b2, BT, PV, "ieee") * LOG2E)
+        acc_s *= tl.exp2(_scan(tab, LEVELS + 1, b0, b1, b2, BT, PV) * LOG2E)
         # inside the chunk: A^T (by transposed addresses) times do, by levels
         b_at = tl.load(A + (rows_c[None, :] * H + i_h) * BT + o_t[:, None], mask=mask_c[None, :],
                        other=0.)
@@ -172,7 +174,7 @@ def chunk_dv_kernel(
         b_v = load_rows(v, rows_c, i_hk, o_v, mask_c, mask_v, HK, V).to(tl.float32)
         x = tl.load(odo + (rows_c[:, None] * H + i_h) * V + o_v[None, :], mask=m_o,
                     other=0.) - b_v * acc_i
-        b_db = (_sum_rows(tab, LEVELS, x, BT, op) + _sum_rows(tab, LEVELS + 1, b_v * acc_s, BT, op)
+        b_db = (_sum_rows(tab, LEVELS, x, BT) + _sum_rows(tab, LEVELS + 1, b_v * acc_s, BT)
                 + (start * e_b)[None, :])
         if not USE_H0:  # as for da in chunk_dqk_kernel
             b_db = tl.where(((o_t == 0) & (p0 == 0))[:, None], 0., b_db)
@@ -205,12 +207,10 @@ def chunk_scan_table_kernel(tab, BT: tl.constexpr, LEVELS: tl.constexpr):
 
 @triton.constexpr_function
 def decay_pieces(op, gate, one_gate):
-    """How many tiles of dtype `op` hold a tile of log decays exactly enough to
-    scan on tensor cores: 1 when the decays are one gate of that dtype (or op
-    is fp32/fp64: products are fp32 "ieee"), else 3 (24 bits, as fp32)."""
-    if op in (tl.float32, tl.float64) or (one_gate and gate == op):
-        return 1
-    return 3
+    """How many tiles of the table's 16-bit dtype `op` hold a tile of log
+    decays (or other fp32 values) exactly for a tensor-core product with a 0/1
+    matrix: 1 when they are one gate of that dtype, else 3 (24 bits, as fp32)."""
+    return 1 if one_gate and gate == op else 3
 
 
 @triton.jit
@@ -225,29 +225,29 @@ def _split(a, op: tl.constexpr, PIECES: tl.constexpr):
 
 
 @triton.jit
-def _scan(tab, idx, a0, a1, a2, BT: tl.constexpr, PIECES: tl.constexpr, PREC: tl.constexpr,
-          m=None):
+def _scan(tab, idx, a0, a1, a2, BT: tl.constexpr, PIECES: tl.constexpr, m=None):
     """Table matrix `idx` (or the given m) times a0 + a1 + a2 [BT, D] (the
     first PIECES of them, see decay_pieces), fp32 [BT, D]."""
     o_t = tl.arange(0, BT)
     if m is None:
         m = tl.load(tab + idx * BT * BT + o_t[:, None] * BT + o_t[None, :])
-    s = tl.dot(m, a0, input_precision=PREC)
+    s = tl.dot(m, a0)
     if PIECES > 1:
-        s += tl.dot(m, a1, input_precision=PREC)
-        s += tl.dot(m, a2, input_precision=PREC)
+        s += tl.dot(m, a1)
+        s += tl.dot(m, a2)
     return s
 
 
 @triton.jit
-def _sum_rows(tab, idx, x, BT: tl.constexpr, op: tl.constexpr):
+def _sum_rows(tab, idx, x, BT: tl.constexpr):
     """(table matrix idx)^T x for an fp32 [BT, D] x: matrix LEVELS gives the
     sums over rows r >= t, LEVELS + 1 over r < t (x in pieces, as decays)."""
     o_t = tl.arange(0, BT)
     m = tl.load(tab + idx * BT * BT + o_t[None, :] * BT + o_t[:, None])
-    PIECES: tl.constexpr = decay_pieces(op, tl.float32, False)
-    x0, x1, x2 = _split(x, op, PIECES)
-    return _scan(tab, idx, x0, x1, x2, BT, PIECES, "ieee", m)
+    sop = tab.dtype.element_ty
+    PIECES: tl.constexpr = decay_pieces(sop, tl.float32, False)
+    x0, x1, x2 = _split(x, sop, PIECES)
+    return _scan(tab, idx, x0, x1, x2, BT, PIECES, m)
 
 
 @triton.jit
@@ -269,7 +269,7 @@ def _levels_into(acc, b_a, b_x, tab, a0, a1, a2, BT: tl.constexpr, LEVELS: tl.co
             b_a = tl.where(o_t[:, None] < o_t[None, :], b_a, 0.)
         return acc + tl.dot(b_a, b_x, input_precision=DOT_PREC)
     for lw in range(0, LEVELS):
-        f = tl.exp2(_scan(tab, lw, a0, a1, a2, BT, PIECES, "ieee") * LOG2E)
+        f = tl.exp2(_scan(tab, lw, a0, a1, a2, BT, PIECES) * LOG2E)
         p_pair = tab + (LEVELS + 2 + lw) * BT * BT
         if LATER:
             pair = tl.load(p_pair + o_t[:, None] * BT + o_t[None, :])
@@ -292,12 +292,13 @@ def _levels_into(acc, b_a, b_x, tab, a0, a1, a2, BT: tl.constexpr, LEVELS: tl.co
 
 @triton.jit
 def _scan_v(gv, tab, rows, mask_t, i_h, o_v, mask_v, idx, H: tl.constexpr, V: tl.constexpr,
-            BT: tl.constexpr, BV: tl.constexpr, op: tl.constexpr):
-    """_scan of the value-side decays gv over one V block (three pieces for 16-bit dtypes)."""
+            BT: tl.constexpr, BV: tl.constexpr):
+    """_scan of the value-side decays gv over one V block."""
     b = decay_v(gv, rows, mask_t, i_h, o_v, mask_v, H, V, True, BT, BV)
-    PV: tl.constexpr = decay_pieces(op, gv.dtype.element_ty, True)
-    b0, b1, b2 = _split(b, op, PV)
-    return _scan(tab, idx, b0, b1, b2, BT, PV, "ieee")
+    sop = tab.dtype.element_ty
+    PV: tl.constexpr = decay_pieces(sop, gv.dtype.element_ty, True)
+    b0, b1, b2 = _split(b, sop, PV)
+    return _scan(tab, idx, b0, b1, b2, BT, PV)
 
 
 @triton.jit
@@ -353,6 +354,7 @@ def chunk_dqk_kernel(
     p_h = h + (i_s * H + i_h).to(tl.int64) * K * V
     p_dh = dh + (i_s * H + i_h).to(tl.int64) * K * V
     op = q.dtype.element_ty
+    sop = tab.dtype.element_ty  # the scan table's 16-bit dtype
     b_q = load_rows(q, rows, i_h, o_k, mask_t, mask_k, H, K)
     b_k = load_rows(k, rows, i_hk, o_k, mask_t, mask_k, HK, K)
 
@@ -360,11 +362,11 @@ def chunk_dqk_kernel(
     ONE_GATE: tl.constexpr = ((((G_MODE == 2) & (not USE_GK)) | ((G_MODE == 0) & USE_GK)) & (
         GAMMA_MODE == 0)) | (not KGATE)
     gate = (g if G_MODE == 2 else gk) if ONE_GATE else q  # (q: never an absent pointer)
-    PIECES: tl.constexpr = decay_pieces(op, gate.dtype.element_ty, ONE_GATE)
+    PIECES: tl.constexpr = decay_pieces(sop, gate.dtype.element_ty, ONE_GATE)
     a = decay_k(g, gk, gamma, rows, mask_t, i_h, o_k, mask_k, H, K, BT, BK, G_MODE, USE_GK,
                 GAMMA_MODE)
     e_c = tl.exp2(tl.sum(a, 0) * LOG2E)  # the decay over the whole chunk [BK]
-    a0, a1, a2 = _split(a, op, PIECES)
+    a0, a1, a2 = _split(a, sop, PIECES)
 
     # dq through the chunk start's state: scale (do gated) h^T, decayed from the start
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
@@ -374,13 +376,13 @@ def chunk_dqk_kernel(
         b_do = load_rows(do, rows, i_h, o_v, mask_t, mask_v, H, V)
         if USE_GV:
             b_do = (b_do.to(tl.float32) * tl.exp2(
-                _scan_v(gv, tab, rows, mask_t, i_h, o_v, mask_v, LEVELS, H, V, BT, BV, op)
+                _scan_v(gv, tab, rows, mask_t, i_h, o_v, mask_v, LEVELS, H, V, BT, BV)
                 * LOG2E)).to(op)
         b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :],
                       mask=mask_k[:, None] & mask_v[None, :], other=0.)
         b_dq += tl.dot(b_do, tl.trans(b_h.to(op)), input_precision=DOT_PREC)
     if KGATE:
-        b_dq *= tl.exp2(_scan(tab, LEVELS, a0, a1, a2, BT, PIECES, "ieee") * LOG2E)
+        b_dq *= tl.exp2(_scan(tab, LEVELS, a0, a1, a2, BT, PIECES) * LOG2E)
     if GAMMA_MODE > 0:
         pos = o_t.to(tl.float32)[:, None]
         n_c = tl.minimum(eos - bos - p0, BT).to(tl.float32)
@@ -429,7 +431,7 @@ def chunk_dqk_kernel(
                             other=0.).to(tl.float32) * b_dh.to(tl.float32)
         if USE_GV:
             b_v = (b_v.to(tl.float32) * tl.exp2(
-                _scan_v(gv, tab, rows, mask_t, i_h, o_v, mask_v, LEVELS + 1, H, V, BT, BV, op)
+                _scan_v(gv, tab, rows, mask_t, i_h, o_v, mask_v, LEVELS + 1, H, V, BT, BV)
                 * LOG2E)).to(op)
             if KGATE:
                 b_hdh *= tl.exp2(tl.sum(decay_v(gv, rows, mask_t, i_h, o_v, mask_v, H, V, USE_GV,
@@ -438,7 +440,7 @@ def chunk_dqk_kernel(
             start += tl.sum(b_hdh, 1)
         b_dks += tl.dot(b_v, tl.trans(b_dh.to(op)), input_precision=DOT_PREC)
     if KGATE:
-        b_dks *= tl.exp2(_scan(tab, LEVELS + 1, a0, a1, a2, BT, PIECES, "ieee") * LOG2E)
+        b_dks *= tl.exp2(_scan(tab, LEVELS + 1, a0, a1, a2, BT, PIECES) * LOG2E)
         start *= e_c
     d_self = tl.load(p_self, mask=mask_t, other=0.) * scale
     b_self = d_self[:, None] * load_rows(q, rows, i_h, o_k, mask_t, mask_k, H, K).to(tl.float32)
@@ -452,7 +454,7 @@ def chunk_dqk_kernel(
         # da_r = sum_{t >= r} (q dq' - k dk')_t + sum_V dh_end S_end, where S_end
         # holds the chunk's own k v^T terms: their part sum_t k_t dk_state_t
         # cancels the state part of dk' for t >= r exactly, leaving t < r
-        b_g = (_sum_rows(tab, LEVELS, x, BT, op) + _sum_rows(tab, LEVELS + 1, y, BT, op)
+        b_g = (_sum_rows(tab, LEVELS, x, BT) + _sum_rows(tab, LEVELS + 1, y, BT)
                + start[None, :])
         if not USE_H0:
             # a sequence's first decay acts on a zero state: its gradient is 0
