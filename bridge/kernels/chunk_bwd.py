@@ -215,7 +215,9 @@ def decay_pieces(op, gate, one_gate):
 
 @triton.jit
 def _split(a, op: tl.constexpr, PIECES: tl.constexpr):
-    """fp32 a [BT, D] as PIECES tiles of dtype op summing to it (see decay_pieces)."""
+    """a [BT, D] (fp32, or fp64 rounded to fp32) as PIECES tiles of dtype op
+    summing to it (see decay_pieces)."""
+    a = a.to(tl.float32)
     a0 = a.to(op)
     if PIECES == 1:
         return a0, a0, a0
