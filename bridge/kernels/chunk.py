@@ -108,7 +108,7 @@ def scan_table_launch(plan) -> Launch:
     """The constant 0/1 matrices of chunk_scan_table_kernel: in q's dtype for
     16-bit inputs, else bf16 (their products run on tensor cores whatever the
     inputs: fp32 values go in as three exact bf16 pieces)."""
-    n = 2 * LEVELS + 2
+    n = 2 * LEVELS + 3
     dtype = "like:q" if plan.dtype in ("bfloat16", "float16") else "bfloat16"
     return Launch(chunk_scan_table_kernel, grid=(n,), inputs=(), scalars=(),
                   outputs=(Out("scan_table", (n, BT, BT), dtype),),

@@ -183,7 +183,7 @@ def chunk_dv_kernel(
 
 @triton.jit
 def chunk_scan_table_kernel(tab, BT: tl.constexpr, LEVELS: tl.constexpr):
-    """The constant 0/1 matrices [2 LEVELS + 2, BT, BT] (LEVELS = log2 BT) of
+    """The constant 0/1 matrices [2 LEVELS + 3, BT, BT] (LEVELS = log2 BT) of
     the chunk kernels, one program each. The pairs s < t of a chunk split into
     levels by the highest bit l in which t and s differ (t has it set, s not).
     Matrix l < LEVELS: times a [BT, D] tile of per-step log decays, the sums F_l
@@ -192,7 +192,7 @@ def chunk_scan_table_kernel(tab, BT: tl.constexpr, LEVELS: tl.constexpr):
     pair of level l, F_l(t) F_l(s) is the decay from s to t, a product of two
     exponentials of sums of consecutive decays, both <= 0. Matrix LEVELS: from
     the chunk start to t; LEVELS + 1: from t + 1 to the chunk end. Matrix
-    LEVELS + 2 + l: the pairs (t, s) of level l."""
+    LEVELS + 2 + l: the pairs (t, s) of level l; 2 LEVELS + 2: all pairs s < t."""
     i = tl.program_id(0)
     t = tl.arange(0, BT)[:, None]
     r = tl.arange(0, BT)[None, :]
@@ -202,6 +202,7 @@ def chunk_scan_table_kernel(tab, BT: tl.constexpr, LEVELS: tl.constexpr):
     m = tl.where(i == LEVELS, r <= t, m)
     m = tl.where(i == LEVELS + 1, r > t, m)
     m = tl.where(i >= LEVELS + 2, (((t ^ r) >> lw) == 1) & (t > r), m)
+    m = tl.where(i == 2 * LEVELS + 2, t > r, m)
     tl.store(tab + i * BT * BT + t * BT + r, tl.where(m, 1., 0.).to(tab.dtype.element_ty))
 
 
@@ -264,15 +265,16 @@ def _levels_into(acc, b_a, b_x, tab, a0, a1, a2, BT: tl.constexpr, LEVELS: tl.co
     level's pairs) x (b_x F), scaled by F; the masked b_a picks the right rows
     of both. A runtime loop, so that one level's tiles are live at a time."""
     o_t = tl.arange(0, BT)
-    if not KGATE:  # no decays: one product with the strictly lower part
-        if LATER:
-            b_a = tl.where(o_t[:, None] > o_t[None, :], b_a, 0.)
-        else:
-            b_a = tl.where(o_t[:, None] < o_t[None, :], b_a, 0.)
-        return acc + tl.dot(b_a, b_x, input_precision=DOT_PREC)
-    for lw in range(0, LEVELS):
-        f = tl.exp2(_scan(tab, lw, a0, a1, a2, BT, PIECES) * LOG2E)
-        p_pair = tab + (LEVELS + 2 + lw) * BT * BT
+    # without decays one product over all pairs, but for fp32 (FMA products,
+    # whose operands ptxas then spills) the level loop's masked products
+    ONE: tl.constexpr = (not KGATE) & (b_x.dtype != tl.float32) & (b_x.dtype != tl.float64)
+    for lw in range(0, 1 if ONE else LEVELS):
+        if not ONE:
+            f = tl.exp2(_scan(tab, lw, a0, a1, a2, BT, PIECES) * LOG2E)
+            p_pair = tab + (LEVELS + 2 + lw) * BT * BT
+        else:  # no decays: one product over all pairs
+            f = tl.full([BT, 1], 1., tl.float32)
+            p_pair = tab + (2 * LEVELS + 2) * BT * BT
         if LATER:
             pair = tl.load(p_pair + o_t[:, None] * BT + o_t[None, :])
         else:  # by transposed addresses, in the layout of b_a's transposed load
@@ -283,7 +285,7 @@ def _levels_into(acc, b_a, b_x, tab, a0, a1, a2, BT: tl.constexpr, LEVELS: tl.co
         # where the two cancel, loses the difference (5x on dg, see SPEC.md)
         y = f * b_x.to(tl.float32)
         y0 = y.to(b_x.dtype)
-        if (b_x.dtype == tl.float32) | (b_x.dtype == tl.float64):
+        if (b_x.dtype == tl.float32) | (b_x.dtype == tl.float64) | ONE:
             p = tl.dot(b_w, y0, input_precision=DOT_PREC)
         else:
             p = tl.dot(b_w, (y - y0.to(tl.float32)).to(b_x.dtype), input_precision=DOT_PREC)
