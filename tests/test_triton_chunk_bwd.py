@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 import bridge.kernels  # noqa: E402,F401  (decides the interpreter before triton is imported)
 from bridge import contract, grads, torch_runner  # noqa: E402
-from bridge.kernels import chunk  # noqa: E402
+from bridge.kernels import chunk, chunk_bwd  # noqa: E402
 from parity import backends, cases  # noqa: E402
 from parity.compare import assert_close, errors, tolerance  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 ORACLE = backends.Oracle()
 C = cases.Case
@@ -85,11 +86,18 @@ def test_gates_in_the_inputs_dtype(dtype, gates):
     assert_close(run_case(case, dtype, gates_like_q=True), dtype)
 
 
+@triton.jit
+def _table_kernel(tab, BT: tl.constexpr, LEVELS: tl.constexpr):
+    i = tl.program_id(0)
+    o_t = tl.arange(0, BT)
+    tl.store(tab + i * BT * BT + o_t[:, None] * BT + o_t[None, :],
+             chunk_bwd.scan_matrix(i, BT, LEVELS, tl.float32))
+
+
 def _table():
-    t = torch.empty((2 * chunk.LEVELS + 3, chunk.BT, chunk.BT), dtype=torch.bfloat16)
-    launch = chunk.scan_table_launch(contract.check(*(np.zeros((1, 1, 1, 4), np.float32),) * 3))
-    launch.kernel[launch.grid](t, **launch.constexprs)
-    return t.float().numpy()
+    t = torch.empty((2 * chunk.LEVELS + 3, chunk.BT, chunk.BT), dtype=torch.float32)
+    _table_kernel[(t.shape[0],)](t, BT=chunk.BT, LEVELS=chunk.LEVELS)
+    return t.numpy()
 
 
 def test_scan_table_closed_form():

@@ -19,8 +19,7 @@ anyway), in fp32 otherwise (fp16's range is too small for a state).
 import os
 
 from ..launch import Launch, Out
-from .chunk_bwd import (chunk_dA_kernel, chunk_dgamma_kernel, chunk_dqk_kernel, chunk_dv_kernel,
-                        chunk_scan_table_kernel)
+from .chunk_bwd import chunk_dA_kernel, chunk_dgamma_kernel, chunk_dqk_kernel, chunk_dv_kernel
 from .common import check_k, flags, gate_inputs, next_pow2
 from .chunk_fwd import chunk_intra_kernel, chunk_output_kernel, chunk_state_kernel
 
@@ -49,6 +48,7 @@ def warps(name: str, plan) -> int:
 
 DV_BV = {"bfloat16": 128, "float16": 128}  # one V block at V <= 128 (no scans redone)
 DQK_BK = 32  # [BT, 32] tiles: dq, dk, one level's factors and products fit in registers
+DQK_BK_WIDE = 16  # fp32: its FMA products hold whole operand rows per thread
 LEVELS = BT.bit_length() - 1  # pairs inside a chunk split by their highest differing bit
 
 
@@ -102,18 +102,6 @@ def _launch(plan, kernel, grid, inputs, scalars, outputs, consts, flops=0, nbyte
     return Launch(kernel, grid=grid, inputs=inputs, scalars=scalars, outputs=outputs,
                   constexprs=_only(kernel, dict(consts, **extra)),
                   num_warps=warps(kernel.__name__, plan), dot_flops=int(flops), bytes=int(nbytes))
-
-
-def scan_table_launch(plan) -> Launch:
-    """The constant 0/1 matrices of chunk_scan_table_kernel: in q's dtype for
-    16-bit inputs, else bf16 (their products run on tensor cores whatever the
-    inputs: fp32 values go in as three exact bf16 pieces)."""
-    n = 2 * LEVELS + 3
-    dtype = "like:q" if plan.dtype in ("bfloat16", "float16") else "bfloat16"
-    return Launch(chunk_scan_table_kernel, grid=(n,), inputs=(), scalars=(),
-                  outputs=(Out("scan_table", (n, BT, BT), dtype),),
-                  constexprs=dict(BT=BT, LEVELS=LEVELS), num_warps=4,
-                  bytes=n * BT * BT * 2)
 
 
 def state_launches(plan, backward: bool, use_s_in: bool, store_out: bool) -> list:
@@ -199,12 +187,16 @@ def backward_launches(plan, use_dht: bool) -> list:
                 intra_launch(plan, fp32=True),
                 *state_launches(plan, backward=True, use_s_in=use_dht,
                                 store_out=plan.initial_state)]
-    launches.append(scan_table_launch(plan))
     if plan.gv:
         launches.append(output_launch(plan, prime=True))
+    # the scan table (chunk_bwd.scan_matrix): in q's dtype for 16-bit inputs, else
+    # bf16 (its products run on tensor cores: fp32 values go in as 3 exact pieces)
+    n_scan = 2 * LEVELS + 3
     launches.append(_launch(
-        plan, chunk_dA_kernel, (ns, H), ("v", "gv" if plan.gv else None, "do", "scan_table", cu),
-        (T, N), (Out("dA", (B, T, H, BT)),), consts,
+        plan, chunk_dA_kernel, (ns, H), ("v", "gv" if plan.gv else None, "do", cu),
+        (T, N), (Out("dA", (B, T, H, BT)),
+                 Out("scan_table", (n_scan, BT, BT),
+                     "like:q" if plan.dtype in ("bfloat16", "float16") else "bfloat16")), consts,
         flops=2 * ns * H * BT * BT * V * (1 + (LEVELS + 1 if plan.gv else 0)),
         nbytes=tokens * (H + plan.Hk) * V * isz + tokens * H * BT * 4))
     dv_bv = c["BV"] if plan.gv else min(DV_BV.get(plan.dtype, c["BV"]), max(16, next_pow2(V)))
@@ -216,7 +208,7 @@ def backward_launches(plan, use_dht: bool) -> list:
         flops=2 * ns * BT * H * V * (BT + K),
         nbytes=(tokens * (plan.Hk * K + H * V * 2) * isz + tokens * H * BT * 4
                 + ns * H * K * V * ssz)))
-    bk = min(c["BK"], DQK_BK)
+    bk = min(c["BK"], DQK_BK_WIDE if plan.dtype in ("float32", "float64") else DQK_BK)
     nk = -(-K // bk)
     launches.append(_launch(
         plan, chunk_dqk_kernel, (ns, nk, H),

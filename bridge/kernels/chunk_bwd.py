@@ -30,25 +30,31 @@ LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E): one MUFU.E
 
 @triton.jit
 def chunk_dA_kernel(
-    v, gv, do, tab, cu_seqlens,
+    v, gv, do, cu_seqlens,
     T, N,
-    dA,
+    dA, tab,
     H: tl.constexpr, HK: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr,
     USE_GV: tl.constexpr, IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr, LOG_N: tl.constexpr,
     LEVELS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """dA [B,T,H,BT] fp32 (0 above the diagonal), one program per (chunk, head).
-    With gv, pairs by levels as in _levels_into: level l adds (do F_l)(v F_l)^T
-    on its pairs, F_l from the value decays."""
+    """dA [B,T,H,BT] fp32 (0 above the diagonal), one program per (chunk, head),
+    and the scan table tab [2 LEVELS + 3, BT, BT] for the later launches
+    (scan_matrix; written by the first program). With gv, pairs by levels as
+    in _levels_into: level l adds (do F_l)(v F_l)^T on its pairs, F_l from the
+    value decays (its matrices made in registers: the table is being written)."""
     i_s, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (H // HK)
     op = v.dtype.element_ty
     sop = tab.dtype.element_ty  # the scan table's 16-bit dtype
+    o_t = tl.arange(0, BT)
+    if (i_s == 0) & (i_h == 0):
+        for i in range(0, 2 * LEVELS + 3):
+            tl.store(tab + i * BT * BT + o_t[:, None] * BT + o_t[None, :],
+                     scan_matrix(i, BT, LEVELS, sop))
     i_n, bos, eos, p0 = slot_chunk(cu_seqlens, i_s, T, N, BT, IS_VARLEN, LOG_N)
     if p0 >= eos - bos:
         return
-    o_t = tl.arange(0, BT)
     rows, mask_t = block_rows(bos, eos, p0, BT, REVERSE)
     acc = tl.zeros([BT, BT], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
@@ -65,9 +71,10 @@ def chunk_dA_kernel(
             b0, b1, b2 = _split(decay_v(gv, rows, mask_t, i_h, o_v, mask_v, H, V, True, BT, BV),
                                 sop, PV)
             for lw in range(0, LEVELS):
-                f = tl.exp2(_scan(tab, lw, b0, b1, b2, BT, PV) * LOG2E)
-                pair = tl.load(tab + (LEVELS + 2 + lw) * BT * BT + o_t[:, None] * BT + o_t[None, :])
-                acc += pair.to(tl.float32) * tl.dot(
+                f = tl.exp2(_scan(tab, lw, b0, b1, b2, BT, PV, scan_matrix(lw, BT, LEVELS, sop))
+                            * LOG2E)
+                pair = scan_matrix(LEVELS + 2 + lw, BT, LEVELS, tl.float32)
+                acc += pair * tl.dot(
                     (b_do.to(tl.float32) * f).to(op), tl.trans((b_v.to(tl.float32) * f).to(op)),
                     input_precision=DOT_PREC)
     acc = tl.where(o_t[:, None] >= o_t[None, :], acc, 0.)
@@ -182,9 +189,9 @@ def chunk_dv_kernel(
 
 
 @triton.jit
-def chunk_scan_table_kernel(tab, BT: tl.constexpr, LEVELS: tl.constexpr):
-    """The constant 0/1 matrices [2 LEVELS + 3, BT, BT] (LEVELS = log2 BT) of
-    the chunk kernels, one program each. The pairs s < t of a chunk split into
+def scan_matrix(i, BT: tl.constexpr, LEVELS: tl.constexpr, dtype: tl.constexpr):
+    """Matrix i [BT, BT] of the scan table (0/1 in `dtype`); chunk_dA_kernel
+    writes all 2 LEVELS + 3 of them. The pairs s < t of a chunk split into
     levels by the highest bit l in which t and s differ (t has it set, s not).
     Matrix l < LEVELS: times a [BT, D] tile of per-step log decays, the sums F_l
     exponentiates: row t sums over t's aligned block of 2^l positions, from its
@@ -193,7 +200,6 @@ def chunk_scan_table_kernel(tab, BT: tl.constexpr, LEVELS: tl.constexpr):
     exponentials of sums of consecutive decays, both <= 0. Matrix LEVELS: from
     the chunk start to t; LEVELS + 1: from t + 1 to the chunk end. Matrix
     LEVELS + 2 + l: the pairs (t, s) of level l; 2 LEVELS + 2: all pairs s < t."""
-    i = tl.program_id(0)
     t = tl.arange(0, BT)[:, None]
     r = tl.arange(0, BT)[None, :]
     lw = tl.where(i < LEVELS, i, i - LEVELS - 2)
@@ -203,7 +209,7 @@ def chunk_scan_table_kernel(tab, BT: tl.constexpr, LEVELS: tl.constexpr):
     m = tl.where(i == LEVELS + 1, r > t, m)
     m = tl.where(i >= LEVELS + 2, (((t ^ r) >> lw) == 1) & (t > r), m)
     m = tl.where(i == 2 * LEVELS + 2, t > r, m)
-    tl.store(tab + i * BT * BT + t * BT + r, tl.where(m, 1., 0.).to(tab.dtype.element_ty))
+    return tl.where(m, 1., 0.).to(dtype)
 
 
 @triton.constexpr_function
