@@ -49,6 +49,7 @@ def warps(name: str, plan) -> int:
 DV_BV = {"bfloat16": 128, "float16": 128}  # one V block at V <= 128 (no scans redone)
 DQK_BK = 32  # [BT, 32] tiles: dq, dk, one level's factors and products fit in registers
 DQK_BK_WIDE = 16  # fp32: its FMA products hold whole operand rows per thread
+DQK_BV = 32  # V blocks of the state products: fewer loaded registers beside the accumulators
 LEVELS = BT.bit_length() - 1  # pairs inside a chunk split by their highest differing bit
 
 
@@ -170,9 +171,26 @@ def forward_launches(plan) -> list:
             intra_launch(plan), output_launch(plan)]
 
 
-def backward_launches(plan, use_dht: bool) -> list:
-    """Reads the forward inputs, final_state, do [B,T,H,V] and (use_dht)
-    dfinal_state [N,H,K,V]; writes the buffers bridge.grads reads."""
+def kept(plan) -> tuple:
+    """The forward's buffers that autograd keeps for the backward, which then
+    reuses them instead of recomputing (the plan choice GLA_BRIDGE_CHUNK_KEEP):
+      "A" (default): A [B,T,H,BT] in q's dtype, 2 bytes a token, head and chunk
+          position for bf16/fp16 (BT/K times q's size: 0.5x at K = 128), 4 for
+          fp32; saves the backward's intra-chunk launch (its reads of q and k and
+          its write of A). Not with g_gamma, whose gradient needs A in fp32.
+      "inputs": nothing beyond the inputs (and the final state, as before):
+          the backward recomputes A.
+    The states h are recomputed either way (slots x H x K x V: 2x q's size at
+    K = V = 128 in bf16, as much again as A at BT = 64)."""
+    if os.environ.get("GLA_BRIDGE_CHUNK_KEEP", "A") == "inputs" or plan.g_gamma != "none":
+        return ()
+    return ("A",)
+
+
+def backward_launches(plan, use_dht: bool, kept: tuple = ()) -> list:
+    """Reads the forward inputs, do [B,T,H,V], (use_dht) dfinal_state [N,H,K,V]
+    and the forward buffers named in `kept` (see `kept`); writes the buffers
+    bridge.grads reads."""
     c = config(plan)
     B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
     ns, isz = slots(plan), _size(plan)
@@ -184,9 +202,11 @@ def backward_launches(plan, use_dht: bool) -> list:
     tokens = B * T
     launches = [*state_launches(plan, backward=False, use_s_in=plan.initial_state,
                                 store_out=False),
-                intra_launch(plan, fp32=True),
+                # A: a dot operand of dv, and fp32 values for dgamma
+                None if "A" in kept else intra_launch(plan, fp32=plan.g_gamma != "none"),
                 *state_launches(plan, backward=True, use_s_in=use_dht,
                                 store_out=plan.initial_state)]
+    launches = [launch for launch in launches if launch is not None]
     if plan.gv:
         launches.append(output_launch(plan, prime=True))
     # the scan table (chunk_bwd.scan_matrix): in q's dtype for 16-bit inputs, else
@@ -221,7 +241,7 @@ def backward_launches(plan, use_dht: bool) -> list:
          if plan.g == "key" or plan.gk else None,
          Out("dg_head", (nk, B, T, H)) if plan.g == "head" else None,
          Out("dgamma_part", (nk, ns, H)) if plan.g_gamma != "none" else None),
-        dict(consts, BK=bk),
+        dict(consts, BK=bk, BV=min(c["BV"], DQK_BV)),
         flops=2 * ns * BT * H * K * (2 * V + (2 + 3 * LEVELS) * BT),
         nbytes=(tokens * (2 * H * K + plan.Hk * (K + V) + H * V) * isz
                 + tokens * H * BT * 4 + 2 * ns * H * K * V * ssz)))
