@@ -2,21 +2,37 @@
 
 With h the state at each chunk start, dh the state gradient at each chunk end
 (chunk_state_kernel run backwards) and A the intra-chunk matrix:
-  chunk_dA_kernel     dA[t, s] = sum_v do_t v_s exp(B_t - B_s)   (s <= t)
+  chunk_dA_kernel     dA[t, s] = sum_v do_t v_s exp(B_t - B_s) (s <= t), one
+                      program per (chunk, head); its first program also writes
+                      the scan table (scan_matrix) the later launches read
   chunk_dv_kernel     dv = A^T do (gated) + (k gated) dh; with gv also the gate
                       gradient db from o'*do (chunk_output_kernel, PRIME) and v*dv'
   chunk_dqk_kernel    dq = scale (do gated) h^T + dA k (gated), dk = (v gated) dh^T
                       + dA^T q (gated), and the key-gate gradient da
   chunk_dgamma_kernel the constant decay's gradient per (sequence, head)
-Gate gradients (notation of fused_recurrent.py): da_t = sum_{t' >= t}
-(q dq' - k dk')_t' + sum_j dS_T S_T, where the primed gradients leave out the
+
+Decays by 0/1 matrices: every sum of consecutive log decays a kernel needs (from
+the chunk start, to the chunk end, within the blocks of a level) is one product
+of a table matrix with the [BT, D] decay tile on tensor cores, the tile in one
+piece of the table's 16-bit dtype when it is one gate of that dtype, else in
+three (exact to fp32); exponentials are exp2 of log2(e)-scaled sums. The pairs
+s < t inside a chunk split into LEVELS = log2(BT) levels by the highest bit in
+which t and s differ; a level's decay factors into F_l(t) F_l(s), both
+exponentials of sums of consecutive decays (<= 0: no overflow, no differences
+of running sums), so each level is one [BT, BT] x [BT, D] product with dA
+masked to its pairs (_levels_into): no per-row loops, no cross-warp reductions,
+one exponential tile serving dq and dk.
+
+Gate gradients (notation of fused_recurrent.py): da_r = sum_{t >= r}
+(q dq' - k dk')_t + sum_V dh_end S_end, where the primed gradients leave out the
 step's own q.k term (it would cancel in the difference, and fp32 would lose a
-tiny gate gradient to that cancellation). Inside a chunk the sum over t' runs
-as a reverse cumsum; everything after the chunk is one carried term,
-sum_V dh_end * S_end (S_end = the next chunk's h, or the final state), so no
-pass walks tokens. db likewise with o'*do - v*dv' and a sum over K.
-Parallel kernels split every chunk into sub-chunks of 16 where the decays must
-be referenced per pair (see chunk_fwd.py's precision note).
+tiny gate gradient to that cancellation) and the second term carries everything
+after the chunk. S_end = (h_start decayed over the chunk) + the chunk's own
+k v^T terms, whose part sum_t k_t dk_state_t cancels the state part of dk' for
+t >= r exactly: so da_r = sum_{t >= r} (q dq' - k dk_intra)_t + sum_{t < r}
+(k dk_state)_t + exp(A_c) sum_V dh_end h_start exp(B_c), two table sums and no
+cancelling terms (in fp16 the cancellation of separately rounded products lost
+5-40x, issue 35). db likewise with o'*do - v*dv' and sums over K.
 """
 
 import triton
