@@ -103,13 +103,14 @@ def chunk_dv_kernel(
     T, N,
     dv, db,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     G_MODE: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr, GAMMA_MODE: tl.constexpr,
     USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr, LOG_N: tl.constexpr,
     LEVELS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """dv per query head [B,T,H,V] for one chunk and V block; with gv also
-    db [B,T,H,V] fp32 (its reverse sum runs over the chunk's sub-chunks)."""
+    """dv per query head [B,T,H,V] for one chunk and V block (one block at
+    V <= 128 for 16-bit inputs); with gv also db [B,T,H,V] fp32, the pairs
+    inside the chunk by levels with the value decays' factors (_levels_into)."""
     i_s, i_v, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (H // HK)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
@@ -136,15 +137,10 @@ def chunk_dv_kernel(
             o_k = i_k * BK + tl.arange(0, BK)
             mask_k = o_k < K
             b_k = load_rows(k, rows_c, i_hk, o_k, mask_c, mask_k, HK, K)
-            if KGATE:  # token s reaches the chunk end through sum_{r > s} a_r
-                ONE_GATE: tl.constexpr = (((G_MODE == 2) & (not USE_GK)) | (
-                    (G_MODE == 0) & USE_GK)) & (GAMMA_MODE == 0)
-                gate = (g if G_MODE == 2 else gk) if ONE_GATE else k
-                PIECES: tl.constexpr = decay_pieces(sop, gate.dtype.element_ty, ONE_GATE)
-                a0, a1, a2 = _split(decay_k(g, gk, gamma, rows_c, mask_c, i_h, o_k, mask_k, H, K,
-                                            BT, BK, G_MODE, USE_GK, GAMMA_MODE), sop, PIECES)
-                b_k = (b_k.to(tl.float32) * tl.exp2(
-                    _scan(tab, LEVELS + 1, a0, a1, a2, BT, PIECES) * LOG2E)).to(op)
+            if KGATE:
+                b_k = _to_chunk_end(b_k, decay_k(g, gk, gamma, rows_c, mask_c, i_h, o_k, mask_k,
+                                                 H, K, BT, BK, G_MODE, USE_GK, GAMMA_MODE),
+                                    g, gk, tab, BT, LEVELS, G_MODE, USE_GK, GAMMA_MODE)
             b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :],
                            mask=mask_k[:, None] & mask_v[None, :], other=0.)
             acc += tl.dot(b_k, b_dh.to(op), input_precision=DOT_PREC)
@@ -168,16 +164,10 @@ def chunk_dv_kernel(
                             + o_v[None, :], mask=m_kv, other=0.).to(tl.float32) * b_dh.to(
                                 tl.float32)
             if KGATE:
-                ONE_GATE: tl.constexpr = (((G_MODE == 2) & (not USE_GK)) | (
-                    (G_MODE == 0) & USE_GK)) & (GAMMA_MODE == 0)
-                gate = (g if G_MODE == 2 else gk) if ONE_GATE else k
-                PIECES: tl.constexpr = decay_pieces(sop, gate.dtype.element_ty, ONE_GATE)
                 a = decay_k(g, gk, gamma, rows_c, mask_c, i_h, o_k, mask_k, H, K, BT, BK, G_MODE,
                             USE_GK, GAMMA_MODE)
                 b_hdh *= tl.exp2(tl.sum(a, 0) * LOG2E)[:, None]
-                a0, a1, a2 = _split(a, sop, PIECES)
-                b_k = (b_k.to(tl.float32) * tl.exp2(
-                    _scan(tab, LEVELS + 1, a0, a1, a2, BT, PIECES) * LOG2E)).to(op)
+                b_k = _to_chunk_end(b_k, a, g, gk, tab, BT, LEVELS, G_MODE, USE_GK, GAMMA_MODE)
             start += tl.sum(b_hdh, 0)
             acc_s += tl.dot(b_k, b_dh.to(op), input_precision=DOT_PREC)
         acc_s *= tl.exp2(_scan(tab, LEVELS + 1, b0, b1, b2, BT, PV) * LOG2E)
@@ -314,6 +304,21 @@ def _levels_into(acc, b_a, b_x, tab, a0, a1, a2, BT: tl.constexpr, LEVELS: tl.co
             p = tl.dot(b_w, y0, p, input_precision=DOT_PREC)
         acc += f * p
     return acc
+
+
+@triton.jit
+def _to_chunk_end(b_k, a, g, gk, tab, BT: tl.constexpr, LEVELS: tl.constexpr,
+                  G_MODE: tl.constexpr, USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr):
+    """Keys b_k [BT, BK] decayed to the chunk end by the key decays a [BT, BK]
+    (token s by sum_{r > s} a_r), in b_k's dtype."""
+    sop = tab.dtype.element_ty
+    ONE: tl.constexpr = (((G_MODE == 2) & (not USE_GK)) | ((G_MODE == 0) & USE_GK)) & (
+        GAMMA_MODE == 0)
+    gate = (g if G_MODE == 2 else gk) if ONE else tab  # (tab: never an absent pointer)
+    PIECES: tl.constexpr = decay_pieces(sop, gate.dtype.element_ty, ONE)
+    a0, a1, a2 = _split(a, sop, PIECES)
+    return (b_k.to(tl.float32) * tl.exp2(_scan(tab, LEVELS + 1, a0, a1, a2, BT, PIECES)
+                                         * LOG2E)).to(b_k.dtype)
 
 
 @triton.jit
