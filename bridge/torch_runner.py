@@ -26,7 +26,7 @@ import torch
 
 from .launch import resolve_dtype
 
-_DTYPES = {"float32": torch.float32}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _TUNED = {}
 # Triton's interpreter keeps per-launch state in module globals: launches from
 # several threads at once (JAX's host callbacks, one per device) corrupt each

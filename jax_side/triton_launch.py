@@ -127,14 +127,23 @@ def run(launches, env, want):
 
 
 
+def _kept(plan, mode) -> tuple:
+    """The forward buffers the family's backward reuses (bridge.kernels.chunk.kept)."""
+    kernels = family(mode)
+    return kernels.kept(plan) if hasattr(kernels, "kept") else ()
+
+
 def _execute(plan, mode, stage, env):
     """Run one stage ("fwd" or "bwd") of the kernels on a dict of arrays (absent
-    inputs left out). fwd -> {o, final_state}; bwd -> {input name: gradient}."""
-    env = {n: env.get(n) for n in (*grads.INPUTS, "cu_seqlens", "final_state", "do", "dfinal_state")}
+    inputs left out). fwd -> {o, final_state, kept buffers}; bwd -> {input name:
+    gradient}."""
+    kept = _kept(plan, mode)
+    env = {n: env.get(n) for n in (*grads.INPUTS, "cu_seqlens", "final_state", "do",
+                                   "dfinal_state", *kept)}
     kernels = family(mode)
     if stage == "fwd":
-        return run(kernels.forward_launches(plan), env, ("o", "final_state"))
-    launches = kernels.backward_launches(plan, use_dht=True)
+        return run(kernels.forward_launches(plan), env, ("o", "final_state", *kept))
+    launches = kernels.backward_launches(plan, use_dht=True, **({"kept": kept} if kept else {}))
     made = {o.name for launch in launches for o in launch.outputs if o}
     got = grads.assemble(plan, run(launches, env, [n for n in grads.BUFFERS if n in made]))
     return {n: got[n].astype(env[n].dtype) for n in grads.INPUTS if env[n] is not None}
@@ -160,7 +169,7 @@ def _batchable(plan, mode, stage):
     return execute
 
 
-TOKENS = ("q", "k", "v", "g", "gk", "gv", "do")  # [B, T, H, *]
+TOKENS = ("q", "k", "v", "g", "gk", "gv", "do", "A")  # [B, T, H, *]
 PER_SEQUENCE = ("initial_state", "final_state", "dfinal_state")  # [N, H, K, V]
 
 
@@ -230,14 +239,15 @@ def _present(**arrays):
 
 def _forward(plan, mode, inputs, cu_seqlens):
     out = _batchable(plan, mode, "fwd")(_present(cu_seqlens=cu_seqlens, **inputs))
-    return (out["o"], out["final_state"]), (inputs, cu_seqlens, out["final_state"])
+    kept = {n: out[n] for n in _kept(plan, mode)}
+    return (out["o"], out["final_state"]), (inputs, cu_seqlens, out["final_state"], kept)
 
 
 def _backward(plan, mode, residuals, cotangents):
-    inputs, cu_seqlens, final_state = residuals
+    inputs, cu_seqlens, final_state, kept = residuals
     do, dfinal_state = cotangents
     env = _present(cu_seqlens=cu_seqlens, final_state=final_state, do=do,
-                   dfinal_state=dfinal_state, **inputs)
+                   dfinal_state=dfinal_state, **inputs, **kept)
     got = _batchable(plan, mode, "bwd")(env)
     return {n: got.get(n) for n in inputs}, None
 

@@ -29,7 +29,8 @@ def test_chunk_variants_compile_ahead_of_time(tmp_path):
     assert len(rows) >= 100 and all(r["ok"] for r in rows)
     assert all(r["regs"] and r["regs"] <= 255 for r in rows)
     assert {r["kernel"] for r in rows} == {
-        "chunk_state_kernel", "chunk_intra_kernel", "chunk_output_kernel", "chunk_dA_kernel",
+        "chunk_gate_kernel", "chunk_state_kernel", "chunk_intra_kernel", "chunk_output_kernel",
+        "chunk_dA_kernel",
         "chunk_dv_kernel", "chunk_dqk_kernel", "chunk_dgamma_kernel"}
     spilled = sorted((r["spill_bytes"], r["variant"], r["kernel"]) for r in rows
                      if r["spill_bytes"])

@@ -51,9 +51,10 @@ def warps(name: str, plan) -> int:
     if name in ("chunk_state_kernel", "chunk_gate_kernel"):
         return 8 if fp32 else 4
     if name == "chunk_dqk_kernel":
-        return 4 if plan.dtype == "float16" and not gv else 8
-    return {"chunk_intra_kernel": 4, "chunk_output_kernel": 4, "chunk_dA_kernel": 8,
-            "chunk_dv_kernel": 8}[name]
+        return 8 if fp32 else 4
+    if name == "chunk_dv_kernel":
+        return 8 if fp32 or gv else 4
+    return {"chunk_intra_kernel": 4, "chunk_output_kernel": 4, "chunk_dA_kernel": 8}[name]
 
 
 def stages(name: str, plan) -> int:
@@ -69,8 +70,11 @@ def intra_bk(plan) -> int:
     return 16 if plan.dtype == "float32" else 32
 
 
-DQK_BV = {"float16": 16}
-DQK_BV_DEFAULT = 32
+DV_BV = {"bfloat16": 128, "float16": 128}  # one V block at V <= 128 (no scans redone)
+DQK_BK = 32  # [BT, 32] tiles: dq, dk, one level's factors and products fit in registers
+DQK_BK_WIDE = 16  # fp32: its FMA products hold whole operand rows per thread
+DQK_BV = 32  # V blocks of the state products: fewer loaded registers beside the accumulators
+LEVELS = BT.bit_length() - 1  # pairs inside a chunk split by their highest differing bit
 
 
 def config(plan) -> dict:
@@ -116,7 +120,7 @@ def _only(kernel, consts: dict) -> dict:
 
 def _consts(plan, c) -> dict:
     return dict(flags(plan), BT=BT, BC=BC, BK=c["BK"], BV=c["BV"], USE_H0=plan.initial_state,
-                LOG_N=max(1, int(plan.N).bit_length()), DOT_PREC=dot_precision())
+                LOG_N=max(1, int(plan.N).bit_length()), LEVELS=LEVELS, DOT_PREC=dot_precision())
 
 
 def _launch(plan, kernel, grid, inputs, scalars, outputs, consts, flops=0, nbytes=0, **extra):
@@ -238,59 +242,84 @@ def forward_launches(plan) -> list:
             intra_launch(plan), output_launch(plan)]
 
 
-def backward_launches(plan, use_dht: bool) -> list:
-    """Reads the forward inputs, final_state, do [B,T,H,V] and (use_dht)
-    dfinal_state [N,H,K,V]; writes the buffers bridge.grads reads."""
+def kept(plan) -> tuple:
+    """The forward's buffers that autograd keeps for the backward, which then
+    reuses them instead of recomputing (the plan choice GLA_BRIDGE_CHUNK_KEEP):
+      "A" (default): A [B,T,H,BT] in q's dtype, 2 bytes a token, head and chunk
+          position for bf16/fp16 (BT/K times q's size: 0.5x at K = 128), 4 for
+          fp32; saves the backward's intra-chunk launch (its reads of q and k and
+          its write of A). Not with g_gamma, whose gradient needs A in fp32.
+      "inputs": nothing beyond the inputs (and the final state, as before):
+          the backward recomputes A.
+    The states h are recomputed either way (slots x H x K x V: 2x q's size at
+    K = V = 128 in bf16, as much again as A at BT = 64)."""
+    if os.environ.get("GLA_BRIDGE_CHUNK_KEEP", "A") == "inputs" or plan.g_gamma != "none":
+        return ()
+    return ("A",)
+
+
+def backward_launches(plan, use_dht: bool, kept: tuple = ()) -> list:
+    """Reads the forward inputs, do [B,T,H,V], (use_dht) dfinal_state [N,H,K,V]
+    and the forward buffers named in `kept` (see `kept`); writes the buffers
+    bridge.grads reads."""
     c = config(plan)
     B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
-    ns, nc, isz = slots(plan), BT // BC, _size(plan)
+    ns, isz = slots(plan), _size(plan)
     consts = _consts(plan, c)
     gates = gate_inputs(plan)
     cu = "cu_seqlens" if plan.varlen else None
-    kgate = key_gated(plan)
     own = plan.group == 1  # per-query-head dk/dv are the gradients themselves
     ssz = _state_size(plan)
     tokens = B * T
     launches = [*state_launches(plan, backward=False, use_s_in=plan.initial_state,
                                 store_out=False),
-                intra_launch(plan, fp32=True),
+                # A: a dot operand of dv, and fp32 values for dgamma
+                None if "A" in kept else intra_launch(plan, fp32=plan.g_gamma != "none"),
                 *state_launches(plan, backward=True, use_s_in=use_dht,
                                 store_out=plan.initial_state)]
+    launches = [launch for launch in launches if launch is not None]
     if plan.gv:
         launches.append(output_launch(plan, prime=True))
+    # the scan table (chunk_bwd.scan_matrix): in q's dtype for 16-bit inputs, else
+    # bf16 (its products run on tensor cores: fp32 values go in as 3 exact pieces)
+    n_scan = 2 * LEVELS + 3
     launches.append(_launch(
-        plan, chunk_dA_kernel, (ns * (nc if plan.gv else 1), H),
-        ("v", "gv" if plan.gv else None, "do", cu), (T, N), (Out("dA", (B, T, H, BT)),), consts,
-        flops=2 * ns * H * BT * BT * V // (2 if plan.gv else 1),
+        plan, chunk_dA_kernel, (ns, H), ("v", "gv" if plan.gv else None, "do", cu),
+        (T, N), (Out("dA", (B, T, H, BT)),
+                 Out("scan_table", (n_scan, BT, BT),
+                     "like:q" if plan.dtype in ("bfloat16", "float16") else "bfloat16")), consts,
+        flops=2 * ns * H * BT * BT * V * (1 + (LEVELS + 1 if plan.gv else 0)),
         nbytes=tokens * (H + plan.Hk) * V * isz + tokens * H * BT * 4))
+    dv_bv = c["BV"] if plan.gv else min(DV_BV.get(plan.dtype, c["BV"]), max(16, next_pow2(V)))
     launches.append(_launch(
-        plan, chunk_dv_kernel, (ns, c["NV"], H),
-        ("k", "v", *gates, "A", "h", "dh", "final_state" if plan.gv else None,
-         "odo" if plan.gv else None, cu, "do"),
+        plan, chunk_dv_kernel, (ns, -(-V // dv_bv), H),
+        ("k", "v", *gates, "A", "h", "dh", "odo" if plan.gv else None, "scan_table", cu, "do"),
         (T, N), (Out("dv_h", (B, T, H, V), "like:v" if own else "float32"),
-                 Out("db", (B, T, H, V)) if plan.gv else None), consts,
+                 Out("db", (B, T, H, V)) if plan.gv else None), dict(consts, BV=dv_bv),
         flops=2 * ns * BT * H * V * (BT + K),
         nbytes=(tokens * (plan.Hk * K + H * V * 2) * isz + tokens * H * BT * 4
                 + ns * H * K * V * ssz)))
+    bk = min(c["BK"], DQK_BK_WIDE if plan.dtype in ("float32", "float64") else DQK_BK)
+    nk = -(-K // bk)
     launches.append(_launch(
-        plan, chunk_dqk_kernel, (ns, c["NK"], H),
-        ("q", "k", "v", *gates, "h", "dh", "final_state" if kgate else None,
-         "A" if plan.g_gamma != "none" else None, "dA", cu, "do"),
+        plan, chunk_dqk_kernel, (ns, nk, H),
+        ("q", "k", "v", *gates, "h", "dh", "A" if plan.g_gamma != "none" else None,
+         "dA", "scan_table", cu, "do"),
         (plan.scale, T, N),
         (Out("dq", (B, T, H, K), "like:q"),
          Out("dk_h", (B, T, H, K), "like:k" if own else "float32"),
          Out("da", (B, T, H, K), "like:g" if plan.g == "key" else "like:gk")
          if plan.g == "key" or plan.gk else None,
-         Out("dg_head", (c["NK"], B, T, H)) if plan.g == "head" else None,
-         Out("dgamma_part", (c["NK"], ns, H)) if plan.g_gamma != "none" else None),
-        dict(consts, BV=min(c["BV"], DQK_BV.get(plan.dtype, DQK_BV_DEFAULT))),
-        flops=2 * ns * BT * H * K * (2 * V + BT),
-        nbytes=(tokens * (2 * H * K + plan.Hk * (K + V) + H * V) * isz + tokens * H * BT * 4
-                + 2 * ns * H * K * V * ssz)))
+         Out("dg_head", (nk, B, T, H)) if plan.g == "head" else None,
+         Out("dgamma_part", (nk, ns, H)) if plan.g_gamma != "none" else None),
+        dict(consts, BK=bk, BV=min(c["BV"], DQK_BV)),
+        flops=2 * ns * BT * H * K * (2 * V + (2 + 3 * LEVELS) * BT),
+        nbytes=(tokens * (2 * H * K + plan.Hk * (K + V) + H * V) * isz
+                + tokens * H * BT * 4 + 2 * ns * H * K * V * ssz)))
     if plan.g_gamma != "none":
         launches.append(Launch(
             chunk_dgamma_kernel, grid=(N, H), inputs=("dgamma_part", cu), scalars=(T, ns),
             outputs=(Out("dgamma", (N, H)),),
-            constexprs=dict(H=H, BT=BT, NK=c["NK"], IS_VARLEN=plan.varlen), num_warps=1,
-            bytes=(c["NK"] * ns + N) * H * 4))
+            constexprs=dict(H=H, BT=BT, NK=nk, IS_VARLEN=plan.varlen), num_warps=1,
+            bytes=(nk * ns + N) * H * 4))
     return launches

@@ -2,184 +2,115 @@
 
 With h the state at each chunk start, dh the state gradient at each chunk end
 (chunk_state_kernel run backwards) and A the intra-chunk matrix:
-  chunk_dA_kernel     dA[t, s] = sum_v do_t v_s exp(B_t - B_s)   (s <= t)
+  chunk_dA_kernel     dA[t, s] = sum_v do_t v_s exp(B_t - B_s) (s <= t), one
+                      program per (chunk, head); its first program also writes
+                      the scan table (scan_matrix) the later launches read
   chunk_dv_kernel     dv = A^T do (gated) + (k gated) dh; with gv also the gate
                       gradient db from o'*do (chunk_output_kernel, PRIME) and v*dv'
   chunk_dqk_kernel    dq = scale (do gated) h^T + dA k (gated), dk = (v gated) dh^T
                       + dA^T q (gated), and the key-gate gradient da
   chunk_dgamma_kernel the constant decay's gradient per (sequence, head)
-Gate gradients (notation of fused_recurrent.py): da_t = sum_{t' >= t}
-(q dq' - k dk')_t' + sum_j dS_T S_T, where the primed gradients leave out the
+
+Decays by 0/1 matrices: every sum of consecutive log decays a kernel needs (from
+the chunk start, to the chunk end, within the blocks of a level) is one product
+of a table matrix with the [BT, D] decay tile on tensor cores, the tile in one
+piece of the table's 16-bit dtype when it is one gate of that dtype, else in
+three (exact to fp32); exponentials are exp2 of log2(e)-scaled sums. The pairs
+s < t inside a chunk split into LEVELS = log2(BT) levels by the highest bit in
+which t and s differ; a level's decay factors into F_l(t) F_l(s), both
+exponentials of sums of consecutive decays (<= 0: no overflow, no differences
+of running sums), so each level is one [BT, BT] x [BT, D] product with dA
+masked to its pairs (_levels_into): no per-row loops, no cross-warp reductions,
+one exponential tile serving dq and dk.
+
+Gate gradients (notation of fused_recurrent.py): da_r = sum_{t >= r}
+(q dq' - k dk')_t + sum_V dh_end S_end, where the primed gradients leave out the
 step's own q.k term (it would cancel in the difference, and fp32 would lose a
-tiny gate gradient to that cancellation). Inside a chunk the sum over t' runs
-as a reverse cumsum; everything after the chunk is one carried term,
-sum_V dh_end * S_end (S_end = the next chunk's h, or the final state), so no
-pass walks tokens. db likewise with o'*do - v*dv' and a sum over K.
-Parallel kernels split every chunk into sub-chunks of 16 where the decays must
-be referenced per pair (see chunk_fwd.py's precision note).
+tiny gate gradient to that cancellation) and the second term carries everything
+after the chunk. S_end = (h_start decayed over the chunk) + the chunk's own
+k v^T terms, whose part sum_t k_t dk_state_t cancels the state part of dk' for
+t >= r exactly: so da_r = sum_{t >= r} (q dq' - k dk_intra)_t + sum_{t < r}
+(k dk_state)_t + exp(A_c) sum_V dh_end h_start exp(B_c), two table sums and no
+cancelling terms (in fp16 the cancellation of separately rounded products lost
+5-40x, issue 35). db likewise with o'*do - v*dv' and sums over K.
 """
 
 import triton
 import triton.language as tl
 
-from .common import (block_rows, decay_k, decay_k_between, decay_v, first_slot, head_gamma,
-                     load_rows, next_rows, row_of, seq_bounds, slot_chunk)
+from .common import (block_rows, decay_k, decay_v, first_slot, head_gamma, load_rows, seq_bounds,
+                     slot_chunk)
 
-
-@triton.jit
-def _sub_decay_k(g, gk, gamma, bos, eos, p0, i, i_h, o_k, mask_k, H: tl.constexpr,
-                 K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                 G_MODE: tl.constexpr, USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr,
-                 REVERSE: tl.constexpr):
-    """Key-side decays of sub-chunk i over one K block: l [BC,BK] = sum from its
-    start to t (inclusive), r [BC,BK] = sum after s to its end, and the totals
-    of the chunk's earlier (pre) and later (post) sub-chunks [BK]."""
-    rows, mask = block_rows(bos, eos, p0 + i * BC, BC, REVERSE)
-    rows_n, mask_n = next_rows(bos, eos, p0 + i * BC, BC, REVERSE)
-    rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
-    o_t = tl.arange(0, BT)
-    l = tl.cumsum(decay_k(g, gk, gamma, rows, mask, i_h, o_k, mask_k, H, K, BC, BK, G_MODE,
-                          USE_GK, GAMMA_MODE), 0)
-    r = tl.cumsum(decay_k(g, gk, gamma, rows_n, mask_n, i_h, o_k, mask_k, H, K, BC, BK, G_MODE,
-                          USE_GK, GAMMA_MODE), 0, reverse=True)
-    pre = tl.sum(decay_k(g, gk, gamma, rows_c, mask_c & (o_t < i * BC), i_h, o_k, mask_k, H, K,
-                         BT, BK, G_MODE, USE_GK, GAMMA_MODE), 0)
-    post = tl.sum(decay_k(g, gk, gamma, rows_c, mask_c & (o_t >= (i + 1) * BC), i_h, o_k, mask_k,
-                          H, K, BT, BK, G_MODE, USE_GK, GAMMA_MODE), 0)
-    return l, r, pre, post
-
-
-@triton.jit
-def _sub_decay_v(gv, bos, eos, p0, i, i_h, o_v, mask_v, H: tl.constexpr, V: tl.constexpr,
-                 BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, USE_GV: tl.constexpr,
-                 REVERSE: tl.constexpr):
-    """_sub_decay_k's four quantities for the value-side decays gv."""
-    rows, mask = block_rows(bos, eos, p0 + i * BC, BC, REVERSE)
-    rows_n, mask_n = next_rows(bos, eos, p0 + i * BC, BC, REVERSE)
-    rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
-    o_t = tl.arange(0, BT)
-    l = tl.cumsum(decay_v(gv, rows, mask, i_h, o_v, mask_v, H, V, USE_GV, BC, BV), 0)
-    r = tl.cumsum(decay_v(gv, rows_n, mask_n, i_h, o_v, mask_v, H, V, USE_GV, BC, BV), 0,
-                  reverse=True)
-    pre = tl.sum(decay_v(gv, rows_c, mask_c & (o_t < i * BC), i_h, o_v, mask_v, H, V, USE_GV,
-                         BT, BV), 0)
-    post = tl.sum(decay_v(gv, rows_c, mask_c & (o_t >= (i + 1) * BC), i_h, o_v, mask_v, H, V,
-                          USE_GV, BT, BV), 0)
-    return l, r, pre, post
-
-
-@triton.jit
-def _between(x, bos, eos, p0, j, i, i_h, o_d, mask_d, H: tl.constexpr, D: tl.constexpr,
-             BT: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, REVERSE: tl.constexpr):
-    """Total over the sub-chunks strictly between j < i of a per-step gate x
-    [*, H, D] (fp32 [BD]; 0 when adjacent)."""
-    rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
-    o_t = tl.arange(0, BT)
-    m = mask_c & (o_t >= (j + 1) * BC) & (o_t < i * BC)
-    return tl.sum(load_rows(x, rows_c, i_h, o_d, m, mask_d, H, D).to(tl.float32), 0)
-
-
-@triton.jit
-def _end_state(h, ht, i_s, i_n, last, o_k, mask_k, o_v, mask_v, H: tl.constexpr, K: tl.constexpr,
-               V: tl.constexpr, i_h):
-    """The state at the end of the chunk in slot i_s, fp32 [BK, BV]: the next
-    slot's h, or the final state for a sequence's last chunk."""
-    p_kv = o_k[:, None] * V + o_v[None, :]
-    m = mask_k[:, None] & mask_v[None, :]
-    nxt = tl.load(h + ((i_s + 1) * H + i_h).to(tl.int64) * K * V + p_kv, mask=m & (not last),
-                  other=0.).to(tl.float32)
-    fin = tl.load(ht + (i_n * H + i_h).to(tl.int64) * K * V + p_kv, mask=m & last, other=0.)
-    return nxt + fin
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E): one MUFU.EX2
 
 
 @triton.jit
 def chunk_dA_kernel(
     v, gv, do, cu_seqlens,
     T, N,
-    dA,
+    dA, tab,
     H: tl.constexpr, HK: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr,
     USE_GV: tl.constexpr, IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr, LOG_N: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    LEVELS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """dA [B,T,H,BT] fp32 (0 above the diagonal). Without gv one program per
-    (chunk, head); with gv one per (chunk x sub-chunk, head), by sub-chunk pairs."""
-    i_x, i_h = tl.program_id(0), tl.program_id(1)
+    """dA [B,T,H,BT] fp32 (0 above the diagonal), one program per (chunk, head),
+    and the scan table tab [2 LEVELS + 3, BT, BT] for the later launches
+    (scan_matrix; written by the first program). With gv, pairs by levels as
+    in _levels_into: level l adds (do F_l)(v F_l)^T on its pairs, F_l from the
+    value decays (its matrices made in registers: the table is being written)."""
+    i_s, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (H // HK)
-    NC: tl.constexpr = BT // BC
     op = v.dtype.element_ty
-    if not USE_GV:
-        i_n, bos, eos, p0 = slot_chunk(cu_seqlens, i_x, T, N, BT, IS_VARLEN, LOG_N)
-        if p0 >= eos - bos:
-            return
-        o_t = tl.arange(0, BT)
-        rows, mask_t = block_rows(bos, eos, p0, BT, REVERSE)
-        acc = tl.zeros([BT, BT], dtype=tl.float32)
-        for i_v in range(0, tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            mask_v = o_v < V
-            b_do = load_rows(do, rows, i_h, o_v, mask_t, mask_v, H, V)
-            b_v = load_rows(v, rows, i_hk, o_v, mask_t, mask_v, HK, V)
+    sop = tab.dtype.element_ty  # the scan table's 16-bit dtype
+    o_t = tl.arange(0, BT)
+    if (i_s == 0) & (i_h == 0):
+        for i in range(0, 2 * LEVELS + 3):
+            tl.store(tab + i * BT * BT + o_t[:, None] * BT + o_t[None, :],
+                     scan_matrix(i, BT, LEVELS, sop))
+    i_n, bos, eos, p0 = slot_chunk(cu_seqlens, i_s, T, N, BT, IS_VARLEN, LOG_N)
+    if p0 >= eos - bos:
+        return
+    rows, mask_t = block_rows(bos, eos, p0, BT, REVERSE)
+    acc = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        mask_v = o_v < V
+        b_do = load_rows(do, rows, i_h, o_v, mask_t, mask_v, H, V)
+        b_v = load_rows(v, rows, i_hk, o_v, mask_t, mask_v, HK, V)
+        if not USE_GV:
             acc += tl.dot(b_do.to(op), tl.trans(b_v.to(op)), input_precision=DOT_PREC)
-        acc = tl.where(o_t[:, None] >= o_t[None, :], acc, 0.)
-        tl.store(dA + (rows[:, None] * H + i_h) * BT + o_t[None, :], acc, mask=mask_t[:, None])
-    else:
-        i_s, i_i = i_x // NC, i_x % NC
-        i_n, bos, eos, p0 = slot_chunk(cu_seqlens, i_s, T, N, BT, IS_VARLEN, LOG_N)
-        if p0 + i_i * BC >= eos - bos:
-            return
-        o_c = tl.arange(0, BC)
-        rows_i, mask_i = block_rows(bos, eos, p0 + i_i * BC, BC, REVERSE)
-        p_da = dA + (rows_i[:, None] * H + i_h) * BT + o_c[None, :]
-        for j in range(0, i_i):
-            rows_j, mask_j = block_rows(bos, eos, p0 + j * BC, BC, REVERSE)
-            rows_jn, mask_jn = next_rows(bos, eos, p0 + j * BC, BC, REVERSE)
-            acc = tl.zeros([BC, BC], dtype=tl.float32)
-            for i_v in range(0, tl.cdiv(V, BV)):
-                o_v = i_v * BV + tl.arange(0, BV)
-                mask_v = o_v < V
-                lb_i = tl.cumsum(decay_v(gv, rows_i, mask_i, i_h, o_v, mask_v, H, V, USE_GV, BC,
-                                         BV), 0)
-                rb_j = tl.cumsum(decay_v(gv, rows_jn, mask_jn, i_h, o_v, mask_v, H, V, USE_GV, BC,
-                                         BV), 0, reverse=True)
-                mb = _between(gv, bos, eos, p0, j, i_i, i_h, o_v, mask_v, H, V, BT, BC, BV, REVERSE)
-                b_do = load_rows(do, rows_i, i_h, o_v, mask_i, mask_v, H, V).to(tl.float32)
-                b_v = load_rows(v, rows_j, i_hk, o_v, mask_j, mask_v, HK, V).to(tl.float32)
-                acc += tl.dot((b_do * tl.exp(lb_i)).to(op),
-                              tl.trans((b_v * tl.exp(rb_j + mb[None, :])).to(op)),
-                              input_precision=DOT_PREC)
-            tl.store(p_da + j * BC, acc, mask=mask_i[:, None])
-        acc = tl.zeros([BC, BC], dtype=tl.float32)
-        for i_v in range(0, tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            mask_v = o_v < V
-            lb_i = tl.cumsum(decay_v(gv, rows_i, mask_i, i_h, o_v, mask_v, H, V, USE_GV, BC, BV), 0)
-            b_do = load_rows(do, rows_i, i_h, o_v, mask_i, mask_v, H, V).to(tl.float32)
-            b_v = load_rows(v, rows_i, i_hk, o_v, mask_i, mask_v, HK, V).to(tl.float32)
-            for s in range(0, BC):
-                causal = (o_c >= s)[:, None]
-                v_s, lb_s = row_of(b_v, o_c, s), row_of(lb_i, o_c, s)
-                d = tl.exp(tl.where(causal, lb_i - lb_s[None, :], 0.))
-                col = tl.sum(tl.where(causal, b_do * v_s[None, :] * d, 0.), 1)
-                acc += tl.where(o_c[None, :] == s, col[:, None], 0.)
-        tl.store(p_da + i_i * BC, acc, mask=mask_i[:, None])
-        for j in range(i_i + 1, NC):
-            tl.store(p_da + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=mask_i[:, None])
+        else:
+            acc += tl.where(o_t[:, None] == o_t[None, :], tl.dot(
+                b_do.to(op), tl.trans(b_v.to(op)), input_precision=DOT_PREC), 0.)
+            PV: tl.constexpr = decay_pieces(sop, gv.dtype.element_ty, True)
+            b0, b1, b2 = _split(decay_v(gv, rows, mask_t, i_h, o_v, mask_v, H, V, True, BT, BV),
+                                sop, PV)
+            for lw in range(0, LEVELS):
+                f = tl.exp2(_scan(tab, lw, b0, b1, b2, BT, PV, scan_matrix(lw, BT, LEVELS, sop))
+                            * LOG2E)
+                pair = scan_matrix(LEVELS + 2 + lw, BT, LEVELS, tl.float32)
+                acc += pair * tl.dot(
+                    (b_do.to(tl.float32) * f).to(op), tl.trans((b_v.to(tl.float32) * f).to(op)),
+                    input_precision=DOT_PREC)
+    acc = tl.where(o_t[:, None] >= o_t[None, :], acc, 0.)
+    tl.store(dA + (rows[:, None] * H + i_h) * BT + o_t[None, :], acc, mask=mask_t[:, None])
 
 
 @triton.jit
 def chunk_dv_kernel(
-    k, v, g, gk, gv, g_gamma, A, h, dh, final_state, odo, cu_seqlens, do,
+    k, v, g, gk, gv, g_gamma, A, h, dh, odo, tab, cu_seqlens, do,
     T, N,
     dv, db,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     G_MODE: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr, GAMMA_MODE: tl.constexpr,
     USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr, LOG_N: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    LEVELS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """dv per query head [B,T,H,V] for one chunk and V block; with gv also
-    db [B,T,H,V] fp32 (its reverse sum runs over the chunk's sub-chunks)."""
+    """dv per query head [B,T,H,V] for one chunk and V block (one block at
+    V <= 128 for 16-bit inputs); with gv also db [B,T,H,V] fp32, the pairs
+    inside the chunk by levels with the value decays' factors (_levels_into)."""
     i_s, i_v, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (H // HK)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
@@ -192,111 +123,247 @@ def chunk_dv_kernel(
     mask_v = o_v < V
     p_dh = dh + (i_s * H + i_h).to(tl.int64) * K * V
     op = v.dtype.element_ty
+    sop = tab.dtype.element_ty  # the scan table's 16-bit dtype
     rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
 
     if not USE_GV:
-        # A^T [s, t] read transposed from memory: a transpose in registers feeding
-        # an fp32 FMA product made ptxas spill tens of KB (bridge.aot, fp32 variants)
+        # A^T [s, t] read by transposed addresses (no transpose in registers)
         b_at = tl.load(A + (rows_c[None, :] * H + i_h) * BT + o_t[:, None], mask=mask_c[None, :],
                        other=0.)
-        b_at = tl.where(o_t[:, None] <= o_t[None, :], b_at, 0.)
         b_do = load_rows(do, rows_c, i_h, o_v, mask_c, mask_v, H, V)
-        acc = tl.dot(b_at.to(op), b_do.to(op), input_precision=DOT_PREC)
-        rows_n, mask_n = next_rows(bos, eos, p0, BT, REVERSE)
+        acc = tl.dot(tl.where(o_t[:, None] <= o_t[None, :], b_at, 0.).to(op), b_do,
+                     input_precision=DOT_PREC)
         for i_k in range(0, tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             mask_k = o_k < K
-            b_k = load_rows(k, rows_c, i_hk, o_k, mask_c, mask_k, HK, K).to(tl.float32)
+            b_k = load_rows(k, rows_c, i_hk, o_k, mask_c, mask_k, HK, K)
             if KGATE:
-                b_k *= tl.exp(tl.cumsum(decay_k(g, gk, gamma, rows_n, mask_n, i_h, o_k, mask_k, H,
-                                                K, BT, BK, G_MODE, USE_GK, GAMMA_MODE), 0,
-                                        reverse=True))
+                b_k = _to_chunk_end(b_k, decay_k(g, gk, gamma, rows_c, mask_c, i_h, o_k, mask_k,
+                                                 H, K, BT, BK, G_MODE, USE_GK, GAMMA_MODE),
+                                    g, gk, tab, BT, LEVELS, G_MODE, USE_GK, GAMMA_MODE)
             b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :],
                            mask=mask_k[:, None] & mask_v[None, :], other=0.)
-            acc += tl.dot(b_k.to(op), b_dh.to(op), input_precision=DOT_PREC)
+            acc += tl.dot(b_k, b_dh.to(op), input_precision=DOT_PREC)
         tl.store(dv + (rows_c[:, None] * H + i_h) * V + o_v[None, :],
                  acc.to(dv.dtype.element_ty), mask=mask_c[:, None] & mask_v[None, :])
-    else:
-        NC: tl.constexpr = BT // BC
-        o_c = tl.arange(0, BC)
-        last = p0 + BT >= eos - bos
-        # sum_K dh_end * S_end: everything after this chunk, for db
-        carried = tl.zeros([BV], dtype=tl.float32)
+    else:  # value decays: dv's pairs by levels too, and the value-gate gradient db
+        PV: tl.constexpr = decay_pieces(sop, gv.dtype.element_ty, True)
+        b = decay_v(gv, rows_c, mask_c, i_h, o_v, mask_v, H, V, True, BT, BV)
+        e_b = tl.exp2(tl.sum(b, 0) * LOG2E)  # the value decay over the whole chunk [BV]
+        b0, b1, b2 = _split(b, sop, PV)
+        # through the chunk end's state gradient: (k gated) dh, decayed to the chunk end
+        acc_s = tl.zeros([BT, BV], dtype=tl.float32)
+        start = tl.zeros([BV], dtype=tl.float32)  # sum_K dh_end h_start exp(A_c), for db
         for i_k in range(0, tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             mask_k = o_k < K
-            b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :],
-                           mask=mask_k[:, None] & mask_v[None, :], other=0.).to(tl.float32)
-            s_end = _end_state(h, final_state, i_s, i_n, last, o_k, mask_k, o_v, mask_v, H, K, V,
-                               i_h)
-            carried += tl.sum(b_dh * s_end, 0)
-        suffix = tl.zeros([BV], dtype=tl.float32)
-        for j in tl.static_range(NC - 1, -1, -1):
-            rows_j, mask_j = block_rows(bos, eos, p0 + j * BC, BC, REVERSE)
-            lb_j, rb_j, _pre, post_b = _sub_decay_v(gv, bos, eos, p0, j, i_h, o_v, mask_v, H, V,
-                                                    BT, BC, BV, USE_GV, REVERSE)
-            acc = tl.zeros([BC, BV], dtype=tl.float32)
-            for i_k in range(0, tl.cdiv(K, BK)):
-                o_k = i_k * BK + tl.arange(0, BK)
-                mask_k = o_k < K
-                b_k = load_rows(k, rows_j, i_hk, o_k, mask_j, mask_k, HK, K).to(tl.float32)
-                if KGATE:
-                    _l, r_j, _p, post_a = _sub_decay_k(g, gk, gamma, bos, eos, p0, j, i_h, o_k,
-                                                       mask_k, H, K, BT, BC, BK, G_MODE, USE_GK,
-                                                       GAMMA_MODE, REVERSE)
-                    b_k *= tl.exp(r_j + post_a[None, :])
-                b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :],
-                               mask=mask_k[:, None] & mask_v[None, :], other=0.)
-                acc += tl.dot(b_k.to(op), b_dh.to(op), input_precision=DOT_PREC)
-            acc *= tl.exp(rb_j + post_b[None, :])
-            for ii in tl.static_range(j + 1, NC):
-                rows_i, mask_i = block_rows(bos, eos, p0 + ii * BC, BC, REVERSE)
-                lb_i = tl.cumsum(decay_v(gv, rows_i, mask_i, i_h, o_v, mask_v, H, V, USE_GV, BC,
-                                         BV), 0)
-                mb = _between(gv, bos, eos, p0, j, ii, i_h, o_v, mask_v, H, V, BT, BC, BV, REVERSE)
-                b_a = tl.load(A + (rows_i[:, None] * H + i_h) * BT + j * BC + o_c[None, :],
-                              mask=mask_i[:, None], other=0.)
-                b_do = load_rows(do, rows_i, i_h, o_v, mask_i, mask_v, H, V).to(tl.float32)
-                acc += tl.exp(rb_j + mb[None, :]) * tl.dot(
-                    tl.trans(b_a.to(op)), (b_do * tl.exp(lb_i)).to(op), input_precision=DOT_PREC)
-            # the diagonal block, one later row t at a time; dv' leaves out t = s
-            b_a = tl.load(A + (rows_j[:, None] * H + i_h) * BT + j * BC + o_c[None, :],
-                          mask=mask_j[:, None], other=0.)
-            b_do = load_rows(do, rows_j, i_h, o_v, mask_j, mask_v, H, V).to(tl.float32)
-            for t in range(0, BC):
-                later = (o_c < t)[:, None]
-                a_t = row_of(b_a, o_c, t)  # A[t, s] over s
-                do_t, lb_t = row_of(b_do, o_c, t), row_of(lb_j, o_c, t)
-                d = tl.exp(tl.where(later, lb_t[None, :] - lb_j, 0.))
-                acc += tl.where(later, a_t[:, None] * do_t[None, :] * d, 0.)
-            a_ss = tl.sum(tl.where(o_c[:, None] == o_c[None, :], b_a, 0.), 1)
-            b_v = load_rows(v, rows_j, i_hk, o_v, mask_j, mask_v, HK, V).to(tl.float32)
-            x = (tl.load(odo + (rows_j[:, None] * H + i_h) * V + o_v[None, :],
-                         mask=mask_j[:, None] & mask_v[None, :], other=0.) - b_v * acc)
-            b_db = tl.cumsum(x, 0, reverse=True) + (suffix + carried)[None, :]
-            suffix += tl.sum(x, 0)
-            if (not USE_H0) and (j == 0):  # as for da in chunk_dqk_kernel
-                b_db = tl.where(((o_c == 0) & (p0 == 0))[:, None], 0., b_db)
-            m_o = mask_j[:, None] & mask_v[None, :]
-            tl.store(db + (rows_j[:, None] * H + i_h) * V + o_v[None, :], b_db, mask=m_o)
-            tl.store(dv + (rows_j[:, None] * H + i_h) * V + o_v[None, :],
-                     (acc + a_ss[:, None] * b_do).to(dv.dtype.element_ty), mask=m_o)
+            m_kv = mask_k[:, None] & mask_v[None, :]
+            b_k = load_rows(k, rows_c, i_hk, o_k, mask_c, mask_k, HK, K)
+            b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+            b_hdh = tl.load(h + (i_s * H + i_h).to(tl.int64) * K * V + o_k[:, None] * V
+                            + o_v[None, :], mask=m_kv, other=0.).to(tl.float32) * b_dh.to(
+                                tl.float32)
+            if KGATE:
+                a = decay_k(g, gk, gamma, rows_c, mask_c, i_h, o_k, mask_k, H, K, BT, BK, G_MODE,
+                            USE_GK, GAMMA_MODE)
+                b_hdh *= tl.exp2(tl.sum(a, 0) * LOG2E)[:, None]
+                b_k = _to_chunk_end(b_k, a, g, gk, tab, BT, LEVELS, G_MODE, USE_GK, GAMMA_MODE)
+            start += tl.sum(b_hdh, 0)
+            acc_s += tl.dot(b_k, b_dh.to(op), input_precision=DOT_PREC)
+        acc_s *= tl.exp2(_scan(tab, LEVELS + 1, b0, b1, b2, BT, PV) * LOG2E)
+        # inside the chunk: A^T (by transposed addresses) times do, by levels
+        b_at = tl.load(A + (rows_c[None, :] * H + i_h) * BT + o_t[:, None], mask=mask_c[None, :],
+                       other=0.)
+        b_do = load_rows(do, rows_c, i_h, o_v, mask_c, mask_v, H, V)
+        acc_i = _levels_into(tl.zeros([BT, BV], dtype=tl.float32), b_at.to(op), b_do, tab, b0,
+                             b1, b2, BT, LEVELS, PV, False, True, DOT_PREC)
+        a_self = tl.load(A + (rows_c * H + i_h) * BT + o_t, mask=mask_c, other=0.)
+        m_o = mask_c[:, None] & mask_v[None, :]
+        tl.store(dv + (rows_c[:, None] * H + i_h) * V + o_v[None, :],
+                 (acc_s + acc_i + a_self.to(tl.float32)[:, None] * b_do.to(tl.float32)).to(
+                     dv.dtype.element_ty), mask=m_o)
+        # db_r = sum_{t >= r} (o' do - v dv')_t + sum_K dh_end S_end, split as for da
+        # in chunk_dqk_kernel (the chunk's own part of S_end cancels dv_state for t >= r)
+        b_v = load_rows(v, rows_c, i_hk, o_v, mask_c, mask_v, HK, V).to(tl.float32)
+        x = tl.load(odo + (rows_c[:, None] * H + i_h) * V + o_v[None, :], mask=m_o,
+                    other=0.) - b_v * acc_i
+        b_db = (_sum_rows(tab, LEVELS, x, BT) + _sum_rows(tab, LEVELS + 1, b_v * acc_s, BT)
+                + (start * e_b)[None, :])
+        if not USE_H0:  # as for da in chunk_dqk_kernel
+            b_db = tl.where(((o_t == 0) & (p0 == 0))[:, None], 0., b_db)
+        tl.store(db + (rows_c[:, None] * H + i_h) * V + o_v[None, :], b_db, mask=m_o)
+
+
+@triton.jit
+def scan_matrix(i, BT: tl.constexpr, LEVELS: tl.constexpr, dtype: tl.constexpr):
+    """Matrix i [BT, BT] of the scan table (0/1 in `dtype`); chunk_dA_kernel
+    writes all 2 LEVELS + 3 of them. The pairs s < t of a chunk split into
+    levels by the highest bit l in which t and s differ (t has it set, s not).
+    Matrix l < LEVELS: times a [BT, D] tile of per-step log decays, the sums F_l
+    exponentiates: row t sums over t's aligned block of 2^l positions, from its
+    start to t where bit l of t is set, else from t + 1 to its end; so for a
+    pair of level l, F_l(t) F_l(s) is the decay from s to t, a product of two
+    exponentials of sums of consecutive decays, both <= 0. Matrix LEVELS: from
+    the chunk start to t; LEVELS + 1: from t + 1 to the chunk end. Matrix
+    LEVELS + 2 + l: the pairs (t, s) of level l; 2 LEVELS + 2: all pairs s < t."""
+    t = tl.arange(0, BT)[:, None]
+    r = tl.arange(0, BT)[None, :]
+    lw = tl.where(i < LEVELS, i, i - LEVELS - 2)
+    upper = ((t >> lw) & 1) == 1
+    m = ((t >> lw) == (r >> lw)) & tl.where(upper, r <= t, r > t)
+    m = tl.where(i == LEVELS, r <= t, m)
+    m = tl.where(i == LEVELS + 1, r > t, m)
+    m = tl.where(i >= LEVELS + 2, (((t ^ r) >> lw) == 1) & (t > r), m)
+    m = tl.where(i == 2 * LEVELS + 2, t > r, m)
+    return tl.where(m, 1., 0.).to(dtype)
+
+
+@triton.constexpr_function
+def decay_pieces(op, gate, one_gate):
+    """How many tiles of the table's 16-bit dtype `op` hold a tile of log
+    decays (or other fp32 values) exactly for a tensor-core product with a 0/1
+    matrix: 1 when they are one gate of that dtype, else 3 (24 bits, as fp32)."""
+    return 1 if one_gate and gate == op else 3
+
+
+@triton.jit
+def _split(a, op: tl.constexpr, PIECES: tl.constexpr):
+    """a [BT, D] (fp32, or fp64 rounded to fp32) as PIECES tiles of dtype op
+    summing to it (see decay_pieces)."""
+    a = a.to(tl.float32)
+    a0 = a.to(op)
+    if PIECES == 1:
+        return a0, a0, a0
+    r1 = a - a0.to(tl.float32)
+    a1 = r1.to(op)
+    return a0, a1, (r1 - a1.to(tl.float32)).to(op)
+
+
+@triton.jit
+def _scan(tab, idx, a0, a1, a2, BT: tl.constexpr, PIECES: tl.constexpr, m=None):
+    """Table matrix `idx` (or the given m) times a0 + a1 + a2 [BT, D] (the
+    first PIECES of them, see decay_pieces), fp32 [BT, D]."""
+    o_t = tl.arange(0, BT)
+    if m is None:
+        m = tl.load(tab + idx * BT * BT + o_t[:, None] * BT + o_t[None, :])
+    s = tl.dot(m, a0)
+    if PIECES > 1:
+        s += tl.dot(m, a1)
+        s += tl.dot(m, a2)
+    return s
+
+
+@triton.jit
+def _sum_rows(tab, idx, x, BT: tl.constexpr):
+    """(table matrix idx)^T x for an fp32 [BT, D] x: matrix LEVELS gives the
+    sums over rows r >= t, LEVELS + 1 over r < t (x in pieces, as decays)."""
+    o_t = tl.arange(0, BT)
+    m = tl.load(tab + idx * BT * BT + o_t[None, :] * BT + o_t[:, None])
+    sop = tab.dtype.element_ty
+    PIECES: tl.constexpr = decay_pieces(sop, tl.float32, False)
+    x0, x1, x2 = _split(x, sop, PIECES)
+    return _scan(tab, idx, x0, x1, x2, BT, PIECES, m)
+
+
+@triton.jit
+def _levels_into(acc, b_a, b_x, tab, a0, a1, a2, BT: tl.constexpr, LEVELS: tl.constexpr,
+                 PIECES: tl.constexpr, LATER: tl.constexpr, KGATE: tl.constexpr,
+                 DOT_PREC: tl.constexpr):
+    """acc [BT, D] plus the pairs inside the chunk, level by level: row t of
+    acc gets sum_s b_a[t, s] b_x[s] times the decay between s and t, b_a [BT, BT]
+    dA (LATER: acc's rows are its rows, for dq) or dA^T (for dk); only the
+    pairs s < t count. With F the level's factor
+    (chunk_scan_table_kernel), each level is one product, (b_a masked to the
+    level's pairs) x (b_x F), scaled by F; the masked b_a picks the right rows
+    of both. A runtime loop, so that one level's tiles are live at a time."""
+    o_t = tl.arange(0, BT)
+    # without decays one product over all pairs, but for fp32 (FMA products,
+    # whose operands ptxas then spills) the level loop's masked products
+    ONE: tl.constexpr = (not KGATE) & (b_x.dtype != tl.float32) & (b_x.dtype != tl.float64)
+    for lw in range(0, 1 if ONE else LEVELS):
+        if not ONE:
+            f = tl.exp2(_scan(tab, lw, a0, a1, a2, BT, PIECES) * LOG2E)
+            p_pair = tab + (LEVELS + 2 + lw) * BT * BT
+        else:  # no decays: one product over all pairs
+            f = tl.full([BT, 1], 1., tl.float32)
+            p_pair = tab + (2 * LEVELS + 2) * BT * BT
+        if LATER:
+            pair = tl.load(p_pair + o_t[:, None] * BT + o_t[None, :])
+        else:  # by transposed addresses, in the layout of b_a's transposed load
+            pair = tl.load(p_pair + o_t[None, :] * BT + o_t[:, None])
+        b_w = (b_a.to(tl.float32) * pair.to(tl.float32)).to(b_a.dtype)
+        # b_x F in two pieces of its dtype (16 bits of mantissa): rounded to one,
+        # the dq and dk sides of a pair round differently and the gate gradient,
+        # where the two cancel, loses the difference (5x on dg, see SPEC.md)
+        y = f * b_x.to(tl.float32)
+        y0 = y.to(b_x.dtype)
+        if (b_x.dtype == tl.float32) | (b_x.dtype == tl.float64) | ONE:
+            p = tl.dot(b_w, y0, input_precision=DOT_PREC)
+        else:
+            p = tl.dot(b_w, (y - y0.to(tl.float32)).to(b_x.dtype), input_precision=DOT_PREC)
+            p = tl.dot(b_w, y0, p, input_precision=DOT_PREC)
+        acc += f * p
+    return acc
+
+
+@triton.jit
+def _to_chunk_end(b_k, a, g, gk, tab, BT: tl.constexpr, LEVELS: tl.constexpr,
+                  G_MODE: tl.constexpr, USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr):
+    """Keys b_k [BT, BK] decayed to the chunk end by the key decays a [BT, BK]
+    (token s by sum_{r > s} a_r), in b_k's dtype."""
+    sop = tab.dtype.element_ty
+    ONE: tl.constexpr = (((G_MODE == 2) & (not USE_GK)) | ((G_MODE == 0) & USE_GK)) & (
+        GAMMA_MODE == 0)
+    gate = (g if G_MODE == 2 else gk) if ONE else tab  # (tab: never an absent pointer)
+    PIECES: tl.constexpr = decay_pieces(sop, gate.dtype.element_ty, ONE)
+    a0, a1, a2 = _split(a, sop, PIECES)
+    return (b_k.to(tl.float32) * tl.exp2(_scan(tab, LEVELS + 1, a0, a1, a2, BT, PIECES)
+                                         * LOG2E)).to(b_k.dtype)
+
+
+@triton.jit
+def _scan_v(gv, tab, rows, mask_t, i_h, o_v, mask_v, idx, H: tl.constexpr, V: tl.constexpr,
+            BT: tl.constexpr, BV: tl.constexpr):
+    """_scan of the value-side decays gv over one V block."""
+    b = decay_v(gv, rows, mask_t, i_h, o_v, mask_v, H, V, True, BT, BV)
+    sop = tab.dtype.element_ty
+    PV: tl.constexpr = decay_pieces(sop, gv.dtype.element_ty, True)
+    b0, b1, b2 = _split(b, sop, PV)
+    return _scan(tab, idx, b0, b1, b2, BT, PV)
 
 
 @triton.jit
 def chunk_dqk_kernel(
-    q, k, v, g, gk, gv, g_gamma, h, dh, final_state, A, dA, cu_seqlens, do,
+    q, k, v, g, gk, gv, g_gamma, h, dh, A, dA, tab, cu_seqlens, do,
     scale, T, N,
     dq, dk, da, dg_part, dgamma_part,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     G_MODE: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr, GAMMA_MODE: tl.constexpr,
     USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr, LOG_N: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    LEVELS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """dq [B,T,H,K], dk per query head [B,T,H,K], and the key-gate gradients
     for one chunk and K block: da [B,T,H,K] (g [B,T,H,K] / gk), its sum over the
     block per row dg_part [NK,B,T,H] (g [B,T,H]), per chunk dgamma_part [NK,slots,H].
+
+    Through the states: dq = scale (do gated) h^T, dk = (v gated) dh^T, one
+    [BT, BV] x [BV, BK] product each per V block, then row-scaled by the decay
+    from the chunk start / to its end. Inside the chunk: dA = do v^T (with gv,
+    the value-decayed dA of chunk_dA_kernel), split by the highest bit in which
+    a pair's positions t > s differ: level l's pairs take the decay from s to t
+    as F_l(t) F_l(s) (chunk_scan_table_kernel), so each level is one product
+    (dA masked to the level) x (k F_l) for dq and (dA^T masked) x (q F_l) for
+    dk, scaled by F_l on the rows it reaches: one exponential tile per level
+    serves both.
+
+    Gate gradients (notation of fused_recurrent.py): da_t = sum_{t' >= t in
+    the chunk} (q dq' - k dk')_t' + carried, the primed gradients leaving out a
+    step's own q.k term, and carried = everything after the chunk =
+    sum_V dh_end S_end, with S_end = (h_start decayed over the chunk) + the
+    chunk's own k v^T terms: exp(A_c) sum_V dh_end h_start exp(B_c) + sum_t k_t
+    dk_state_t, from the same rounded products as dk' (so that the parts of
+    dk' and carried that cancel are the same numbers).
 
     dgamma is not summed from da: sum_t da_t adds (position + 1)-weighted terms
     whose difference is the (t - s)-weighted pair term, so fp32 error would grow
@@ -306,142 +373,131 @@ def chunk_dqk_kernel(
     i_s, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (H // HK)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
-    NC: tl.constexpr = BT // BC
     i_n, bos, eos, p0 = slot_chunk(cu_seqlens, i_s, T, N, BT, IS_VARLEN, LOG_N)
     if p0 >= eos - bos:
         return
     gamma = head_gamma(g_gamma, i_n, i_h, H, GAMMA_MODE)
-    o_c = tl.arange(0, BC)
+    o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     mask_k = o_k < K
+    rows, mask_t = block_rows(bos, eos, p0, BT, REVERSE)
+    m_tk = mask_t[:, None] & mask_k[None, :]
     p_h = h + (i_s * H + i_h).to(tl.int64) * K * V
     p_dh = dh + (i_s * H + i_h).to(tl.int64) * K * V
     op = q.dtype.element_ty
-    last = p0 + BT >= eos - bos
+    sop = tab.dtype.element_ty  # the scan table's 16-bit dtype
+    b_q = load_rows(q, rows, i_h, o_k, mask_t, mask_k, H, K)
+    b_k = load_rows(k, rows, i_hk, o_k, mask_t, mask_k, HK, K)
 
-    # sum_V dh_end * S_end: the gate gradient of everything after this chunk
-    carried = tl.zeros([BK], dtype=tl.float32)
-    start = tl.zeros([BK], dtype=tl.float32)  # sum_V dh_end * h_start * exp(B_e), for dgamma
-    rows_c, mask_c = block_rows(bos, eos, p0, BT, REVERSE)
+    # the key-side decays, split into pieces the table's dtype holds exactly
+    ONE_GATE: tl.constexpr = ((((G_MODE == 2) & (not USE_GK)) | ((G_MODE == 0) & USE_GK)) & (
+        GAMMA_MODE == 0)) | (not KGATE)
+    gate = (g if G_MODE == 2 else gk) if ONE_GATE else q  # (q: never an absent pointer)
+    PIECES: tl.constexpr = decay_pieces(sop, gate.dtype.element_ty, ONE_GATE)
+    a = decay_k(g, gk, gamma, rows, mask_t, i_h, o_k, mask_k, H, K, BT, BK, G_MODE, USE_GK,
+                GAMMA_MODE)
+    e_c = tl.exp2(tl.sum(a, 0) * LOG2E)  # the decay over the whole chunk [BK]
+    a0, a1, a2 = _split(a, sop, PIECES)
+
+    # dq through the chunk start's state: scale (do gated) h^T, decayed from the start
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        mask_v = o_v < V
+        b_do = load_rows(do, rows, i_h, o_v, mask_t, mask_v, H, V)
+        if USE_GV:
+            b_do = (b_do.to(tl.float32) * tl.exp2(
+                _scan_v(gv, tab, rows, mask_t, i_h, o_v, mask_v, LEVELS, H, V, BT, BV)
+                * LOG2E)).to(op)
+        b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :],
+                      mask=mask_k[:, None] & mask_v[None, :], other=0.)
+        b_dq += tl.dot(b_do, tl.trans(b_h.to(op)), input_precision=DOT_PREC)
     if KGATE:
-        for i_v in range(0, tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            mask_v = o_v < V
-            m_kv = mask_k[:, None] & mask_v[None, :]
-            b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv,
-                           other=0.).to(tl.float32)
-            s_end = _end_state(h, final_state, i_s, i_n, last, o_k, mask_k, o_v, mask_v, H, K, V,
-                               i_h)
-            carried += tl.sum(b_dh * s_end, 1)
-            if GAMMA_MODE > 0:
-                b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv,
-                              other=0.).to(tl.float32)
-                b_e = tl.sum(decay_v(gv, rows_c, mask_c, i_h, o_v, mask_v, H, V, USE_GV, BT, BV), 0)
-                start += tl.sum(b_dh * b_h * tl.exp(b_e)[None, :], 1)
-    suffix = tl.zeros([BK], dtype=tl.float32)
-    dgamma = tl.zeros([BK], dtype=tl.float32)
-    for ii in range(0, NC):  # sub-chunks last to first, for the reverse sums
-        i = NC - 1 - ii
-        rows_i, mask_i = block_rows(bos, eos, p0 + i * BC, BC, REVERSE)
-        m_i = mask_i[:, None] & mask_k[None, :]
-        b_q = load_rows(q, rows_i, i_h, o_k, mask_i, mask_k, H, K).to(tl.float32)
-        b_k = load_rows(k, rows_i, i_hk, o_k, mask_i, mask_k, HK, K).to(tl.float32)
-        l_i, r_i, pre_a, post_a = _sub_decay_k(g, gk, gamma, bos, eos, p0, i, i_h, o_k, mask_k, H,
-                                               K, BT, BC, BK, G_MODE, USE_GK, GAMMA_MODE, REVERSE)
-        # through the states: the chunk start's h and the chunk end's dh
-        b_dq = tl.zeros([BC, BK], dtype=tl.float32)
-        b_dk = tl.zeros([BC, BK], dtype=tl.float32)
-        for i_v in range(0, tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            mask_v = o_v < V
-            m_kv = mask_k[:, None] & mask_v[None, :]
-            b_do = load_rows(do, rows_i, i_h, o_v, mask_i, mask_v, H, V).to(tl.float32)
-            b_v = load_rows(v, rows_i, i_hk, o_v, mask_i, mask_v, HK, V).to(tl.float32)
-            if USE_GV:
-                lb_i, rb_i, pre_b, post_b = _sub_decay_v(gv, bos, eos, p0, i, i_h, o_v, mask_v, H,
-                                                         V, BT, BC, BV, USE_GV, REVERSE)
-                b_do *= tl.exp(lb_i + pre_b[None, :])
-                b_v *= tl.exp(rb_i + post_b[None, :])
-            b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-            b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-            b_dq += tl.dot(b_do.to(op), tl.trans(b_h.to(op)), input_precision=DOT_PREC)
-            b_dk += tl.dot(b_v.to(op), tl.trans(b_dh.to(op)), input_precision=DOT_PREC)
-        b_dq *= scale * tl.exp(l_i + pre_a[None, :])
-        b_dk *= tl.exp(r_i + post_a[None, :])
-        if GAMMA_MODE > 0:
-            pos = (i * BC + o_c).to(tl.float32)[:, None]
-            n_c = tl.minimum(eos - bos - p0, BT).to(tl.float32)
-            dgamma += tl.sum((pos + 1.) * b_q * b_dq + (n_c - 1. - pos) * b_k * b_dk, 0)
-        # inside the chunk: earlier sub-chunks j < i for dq, later ones for dk
-        p_da = dA + (rows_i[:, None] * H + i_h) * BT + o_c[None, :]
-        for j in range(0, i):
-            rows_j, mask_j = block_rows(bos, eos, p0 + j * BC, BC, REVERSE)
-            _l, r_j, _p, _q = _sub_decay_k(g, gk, gamma, bos, eos, p0, j, i_h, o_k, mask_k, H, K,
-                                           BT, BC, BK, G_MODE, USE_GK, GAMMA_MODE, REVERSE)
-            m_ij = decay_k_between(g, gk, gamma, bos, eos, p0, j, i, i_h, o_k, mask_k, H, K, BT,
-                                   BC, BK, G_MODE, USE_GK, GAMMA_MODE, REVERSE)
-            b_kj = load_rows(k, rows_j, i_hk, o_k, mask_j, mask_k, HK, K).to(tl.float32)
-            b_daij = tl.load(p_da + j * BC, mask=mask_i[:, None], other=0.)
-            b_dq += scale * tl.exp(l_i) * tl.dot(
-                b_daij.to(op), (b_kj * tl.exp(r_j + m_ij[None, :])).to(op),
-                input_precision=DOT_PREC)
-        for j in range(i + 1, NC):
-            rows_j, mask_j = block_rows(bos, eos, p0 + j * BC, BC, REVERSE)
-            l_j, _r, _p, _q = _sub_decay_k(g, gk, gamma, bos, eos, p0, j, i_h, o_k, mask_k, H, K,
-                                           BT, BC, BK, G_MODE, USE_GK, GAMMA_MODE, REVERSE)
-            m_ij = decay_k_between(g, gk, gamma, bos, eos, p0, i, j, i_h, o_k, mask_k, H, K, BT,
-                                   BC, BK, G_MODE, USE_GK, GAMMA_MODE, REVERSE)
-            b_qj = load_rows(q, rows_j, i_h, o_k, mask_j, mask_k, H, K).to(tl.float32)
-            b_daji = tl.load(dA + (rows_j[:, None] * H + i_h) * BT + i * BC + o_c[None, :],
-                             mask=mask_j[:, None], other=0.)
-            b_dk += scale * tl.exp(r_i + m_ij[None, :]) * tl.dot(
-                tl.trans(b_daji.to(op)), (b_qj * tl.exp(l_j)).to(op), input_precision=DOT_PREC)
-        # the diagonal block, elementwise; the primed sums leave out t = s
-        b_daii = tl.load(p_da + i * BC, mask=mask_i[:, None], other=0.)
-        for u in range(0, BC):
-            after = (o_c > u)[:, None]   # rows t > u, for dq
-            before = (o_c < u)[:, None]  # rows s < u, for dk
-            k_u, q_u, l_u = row_of(b_k, o_c, u), row_of(b_q, o_c, u), row_of(l_i, o_c, u)
-            col_u = tl.sum(tl.where(o_c[None, :] == u, b_daii, 0.), 1)  # dA[t, u]
-            row_u = row_of(b_daii, o_c, u)                               # dA[u, s]
-            d_q = tl.exp(tl.where(after, l_i - l_u[None, :], 0.))
-            d_k = tl.exp(tl.where(before, l_u[None, :] - l_i, 0.))
-            b_dq += tl.where(after, scale * col_u[:, None] * k_u[None, :] * d_q, 0.)
-            b_dk += tl.where(before, scale * row_u[:, None] * q_u[None, :] * d_k, 0.)
-        d_self = scale * tl.sum(tl.where(o_c[:, None] == o_c[None, :], b_daii, 0.), 1)
-        tl.store(dq + (rows_i[:, None] * H + i_h) * K + o_k[None, :],
-                 (b_dq + d_self[:, None] * b_k).to(dq.dtype.element_ty), mask=m_i)
-        tl.store(dk + (rows_i[:, None] * H + i_h) * K + o_k[None, :],
-                 (b_dk + d_self[:, None] * b_q).to(dk.dtype.element_ty), mask=m_i)
-        if KGATE:
-            x = b_q * b_dq - b_k * b_dk
-            b_da = tl.cumsum(x, 0, reverse=True) + (suffix + carried)[None, :]
-            suffix += tl.sum(x, 0)
-            if not USE_H0:
-                # a sequence's first decay acts on a zero state: its gradient is 0
-                # exactly (the sum above would leave fp32 noise of cancelled terms)
-                b_da = tl.where(((o_c == 0) & (p0 + i * BC == 0))[:, None], 0., b_da)
-            b_da = tl.where(m_i, b_da, 0.)
-            if (G_MODE == 2) or USE_GK:
-                tl.store(da + (rows_i[:, None] * H + i_h) * K + o_k[None, :],
-                         b_da.to(da.dtype.element_ty), mask=m_i)
-            if G_MODE == 1:
-                n_rows = T if IS_VARLEN else N * T
-                tl.store(dg_part + ((i_k * n_rows + rows_i) * H + i_h), tl.sum(b_da, 1),
-                         mask=mask_i)
+        b_dq *= tl.exp2(_scan(tab, LEVELS, a0, a1, a2, BT, PIECES) * LOG2E)
     if GAMMA_MODE > 0:
+        pos = o_t.to(tl.float32)[:, None]
         n_c = tl.minimum(eos - bos - p0, BT).to(tl.float32)
-        a_e = tl.sum(decay_k(g, gk, gamma, rows_c, mask_c, i_h, o_k, mask_k, H, K, BT, BK, G_MODE,
-                             USE_GK, GAMMA_MODE), 0)
-        total = tl.sum(dgamma + n_c * start * tl.exp(a_e), 0)
+        dgamma = tl.sum(tl.sum((pos + 1.) * b_q.to(tl.float32) * b_dq, 1), 0) * scale
+
+    # dq inside the chunk, level by level
+    b_da = tl.load(dA + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=mask_t[:, None],
+                   other=0.)
+    if GAMMA_MODE > 0:
         if i_k == 0:  # the pairs inside the chunk (A sums over all of K)
-            o_t = tl.arange(0, BT)
-            p_t = (rows_c[:, None] * H + i_h) * BT + o_t[None, :]
             dist = tl.where(o_t[:, None] > o_t[None, :], (o_t[:, None] - o_t[None, :]), 0)
-            b_a = tl.load(A + p_t, mask=mask_c[:, None], other=0.)
-            b_da_t = tl.load(dA + p_t, mask=mask_c[:, None], other=0.)
-            total += tl.sum(tl.sum(dist.to(tl.float32) * b_a * b_da_t, 1), 0)
-        tl.store(dgamma_part + (i_k * tl.num_programs(0) + i_s) * H + i_h, total)
+            b_a = tl.load(A + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=mask_t[:, None],
+                          other=0.)
+            dgamma += tl.sum(tl.sum(dist.to(tl.float32) * b_a.to(tl.float32) * b_da, 1), 0)
+    # (the level masks keep only pairs s < t: no mask here; dA's scale goes on after)
+    b_dq = _levels_into(b_dq, b_da.to(op), b_k, tab, a0, a1, a2, BT, LEVELS, PIECES, True,
+                        KGATE, DOT_PREC) * scale
+    p_self = dA + (rows * H + i_h) * BT + o_t  # dA[t, t]: the step's own q.k term
+    d_self = tl.load(p_self, mask=mask_t, other=0.) * scale
+    # the step's own term, with k loaded again: no fp32 copy of k kept live
+    b_self = d_self[:, None] * load_rows(k, rows, i_hk, o_k, mask_t, mask_k, HK, K).to(tl.float32)
+    tl.store(dq + (rows[:, None] * H + i_h) * K + o_k[None, :],
+             (b_dq + b_self).to(dq.dtype.element_ty), mask=m_tk)
+    x = b_q.to(tl.float32) * b_dq
+
+    # dk inside the chunk, from dA^T [s, t] loaded by transposed addresses (no
+    # transpose in registers, no dA tile live through the dq store)
+    b_dat = tl.load(dA + (rows[None, :] * H + i_h) * BT + o_t[:, None], mask=mask_t[None, :],
+                    other=0.)
+    b_dk = _levels_into(tl.zeros([BT, BK], dtype=tl.float32), b_dat.to(op), b_q, tab, a0, a1,
+                        a2, BT, LEVELS, PIECES, False, KGATE, DOT_PREC) * scale
+    if KGATE:
+        x -= b_k.to(tl.float32) * b_dk
+
+    # dk through the chunk end's state gradient: (v gated) dh^T, decayed to the end
+    b_dks = tl.zeros([BT, BK], dtype=tl.float32)
+    start = tl.zeros([BK], dtype=tl.float32)  # sum_V dh_end h_start exp(B_c)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        mask_v = o_v < V
+        m_kv = mask_k[:, None] & mask_v[None, :]
+        b_v = load_rows(v, rows, i_hk, o_v, mask_t, mask_v, HK, V)
+        b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        if KGATE:
+            b_hdh = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv,
+                            other=0.).to(tl.float32) * b_dh.to(tl.float32)
+        if USE_GV:
+            b_v = (b_v.to(tl.float32) * tl.exp2(
+                _scan_v(gv, tab, rows, mask_t, i_h, o_v, mask_v, LEVELS + 1, H, V, BT, BV)
+                * LOG2E)).to(op)
+            if KGATE:
+                b_hdh *= tl.exp2(tl.sum(decay_v(gv, rows, mask_t, i_h, o_v, mask_v, H, V, USE_GV,
+                                               BT, BV), 0) * LOG2E)[None, :]
+        if KGATE:
+            start += tl.sum(b_hdh, 1)
+        b_dks += tl.dot(b_v, tl.trans(b_dh.to(op)), input_precision=DOT_PREC)
+    if KGATE:
+        b_dks *= tl.exp2(_scan(tab, LEVELS + 1, a0, a1, a2, BT, PIECES) * LOG2E)
+        start *= e_c
+    d_self = tl.load(p_self, mask=mask_t, other=0.) * scale
+    b_self = d_self[:, None] * load_rows(q, rows, i_h, o_k, mask_t, mask_k, H, K).to(tl.float32)
+    tl.store(dk + (rows[:, None] * H + i_h) * K + o_k[None, :],
+             (b_dk + b_dks + b_self).to(dk.dtype.element_ty), mask=m_tk)
+    y = b_k.to(tl.float32) * b_dks
+    if GAMMA_MODE > 0:
+        dgamma += tl.sum(tl.sum((n_c - 1. - pos) * y, 0) + n_c * start, 0)
+        tl.store(dgamma_part + (i_k * tl.num_programs(0) + i_s) * H + i_h, dgamma)
+    if KGATE:
+        # da_r = sum_{t >= r} (q dq' - k dk')_t + sum_V dh_end S_end, where S_end
+        # holds the chunk's own k v^T terms: their part sum_t k_t dk_state_t
+        # cancels the state part of dk' for t >= r exactly, leaving t < r
+        b_g = (_sum_rows(tab, LEVELS, x, BT) + _sum_rows(tab, LEVELS + 1, y, BT)
+               + start[None, :])
+        if not USE_H0:
+            # a sequence's first decay acts on a zero state: its gradient is 0
+            # exactly (the sum above would leave fp32 noise of cancelled terms)
+            b_g = tl.where(((o_t == 0) & (p0 == 0))[:, None], 0., b_g)
+        b_g = tl.where(m_tk, b_g, 0.)
+        if (G_MODE == 2) or USE_GK:
+            tl.store(da + (rows[:, None] * H + i_h) * K + o_k[None, :],
+                     b_g.to(da.dtype.element_ty), mask=m_tk)
+        if G_MODE == 1:
+            n_rows = T if IS_VARLEN else N * T
+            tl.store(dg_part + ((i_k * n_rows + rows) * H + i_h), tl.sum(b_g, 1), mask=mask_t)
 
 
 @triton.jit
