@@ -5,3 +5,12 @@ from .ops import gla_attention, lightning_attn, recurrent, recurrent_gla
 
 __all__ = ["recurrent", "recurrent_gla", "lightning_attn", "gla_attention",
            "init_gla", "gla_apply", "init_lightning", "lightning_apply"]
+
+
+def __getattr__(name):
+    # the language model (jax_side.models) needs flax, the `models` extra; the ops do not
+    if name in ("GLAModel", "GLAForCausalLM"):
+        from . import models
+
+        return getattr(models, name)
+    raise AttributeError(f"module 'jax_side' has no attribute {name!r}")

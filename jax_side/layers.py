@@ -1,7 +1,9 @@
 """JAX layers as pure functions: init_gla / gla_apply and init_lightning / lightning_apply.
 
 Same math, parameter names and layouts as torch_side.layers (see bridge.weights: a
-Linear weight is [out, in] and is applied as x @ W.T), same state semantics:
+Linear weight is [out, in] and is applied as x @ W.T; the output norm is fla's
+`g_norm_swish_gate` when config.fuse_norm), the same options (feature_map on q and k,
+clamp_min on the log-gate), same state semantics:
 
     apply(params, x [B,T,D], config, *, attention_mask [B,T], cu_seqlens [N+1],
           state [N,H,K,V], use_cache, mode, platform, context_axis)
@@ -31,7 +33,7 @@ def _init(rng, config: LayerConfig, kind: str, dtype=jnp.float32) -> dict:
     params = {}
     for name, shape in param_shapes(config).items():
         rng, key = jax.random.split(rng)
-        if name == "g_norm.weight":
+        if name == config.norm_param:
             params[name] = jnp.ones(shape, dtype)
         else:  # torch.nn.Linear's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), bias alike
             fan_in = param_shapes(config)[name.replace(".bias", ".weight")][-1]
@@ -48,6 +50,14 @@ def init_gla(rng, config: LayerConfig, dtype=jnp.float32) -> dict:
 def init_lightning(rng, config: LayerConfig, dtype=jnp.float32) -> dict:
     """Parameters of a Lightning attention layer."""
     return _init(rng, config, "lightning", dtype)
+
+
+# fla's feature maps for q and k (bridge.weights.FEATURE_MAPS); "gelu" is its tanh form
+FEATURE_MAPS = {
+    "relu": jax.nn.relu, "sigmoid": jax.nn.sigmoid, "logsigmoid": jax.nn.log_sigmoid,
+    "swish": jax.nn.silu, "silu": jax.nn.silu, "sqrelu": lambda x: jnp.square(jax.nn.relu(x)),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=True),
+}
 
 
 def _linear(x, w, b=None):
@@ -73,6 +83,9 @@ def _apply(params, x, config, kind, attention_mask, cu_seqlens, state, use_cache
     q = _linear(x, params["q_proj.weight"]).reshape(*lead, H, K)
     k = _linear(x, params["k_proj.weight"]).reshape(*lead, Hk, K)
     v = _linear(x, params["v_proj.weight"]).reshape(*lead, Hk, V)
+    if c.feature_map is not None:  # before the mask: padding keeps q = k = 0 (a map may
+        # send 0 elsewhere), so its outputs stay zero
+        q, k = (FEATURE_MAPS[c.feature_map](t) for t in (q, k))
     mask = None if attention_mask is None else attention_mask.astype(bool)[..., None, None]
     if mask is not None:  # padding: zero q/k/v and no decay, so the state passes unchanged
         q, k, v = (jnp.where(mask, t, jnp.zeros((), t.dtype)) for t in (q, k, v))
@@ -82,6 +95,8 @@ def _apply(params, x, config, kind, attention_mask, cu_seqlens, state, use_cache
         low = _linear(x, params["gk_proj.0.weight"])
         gk = _linear(low, params["gk_proj.1.weight"], params["gk_proj.1.bias"])
         gk = jax.nn.log_sigmoid(gk.astype(jnp.float32)) / c.gate_logit_normalizer
+        if c.clamp_min is not None:
+            gk = jnp.maximum(gk, c.clamp_min)
         gk = jnp.repeat(gk.reshape(*lead, Hk, K), H // Hk, axis=-2)  # head h <- kv h//G
         if mask is not None:
             gk = jnp.where(mask, gk, 0.0)
@@ -92,7 +107,7 @@ def _apply(params, x, config, kind, attention_mask, cu_seqlens, state, use_cache
         gamma = jnp.asarray(variants.lightning_g_gamma(H, c.layer_idx, c.num_layers))
         g = jnp.where(mask[..., 0], gamma, 0.0)  # [B,T,H]
         o, final_state = ops.recurrent(q, k, v, g=g, **opts)
-    o = _rms_norm(o, params["g_norm.weight"], c.norm_eps)
+    o = _rms_norm(o, params[c.norm_param], c.norm_eps)
     if c.use_output_gate:
         g = _linear(x, params["g_proj.weight"]).reshape(*lead, H, V)
         o = o * jax.nn.silu(g)

@@ -124,9 +124,15 @@ def main(argv=None):
                     help="instead: context parallelism over P (default 2) gloo ranks (torch) "
                          "and P host devices (JAX) on the same inputs, against the oracle "
                          "and each other")
+    ap.add_argument("--model", action="store_true",
+                    help="instead: a small random-weight GLA language model in every "
+                         "framework and backend against its float64 model (logits, greedy "
+                         "tokens); --backends picks among " + ", ".join(_model_backends()))
     args = ap.parse_args(argv)
     if args.multi_device is not None:
         return _multi_device(ap, args)
+    if args.model:
+        return _model(ap, args)
 
     every = backends_mod.all_backends()
     known = {b.name for b in every}
@@ -177,6 +183,45 @@ def _multi_device(ap, args):
     rows = multi_device.compare(args.multi_device, args.seed, names)
     failed = sum(not ok for *_, ok in rows)
     print(f"parity --multi-device: {len(rows) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+def _model_backends():
+    from .models import BACKENDS
+
+    return BACKENDS
+
+
+def _model(ap, args):
+    from . import models
+
+    wanted = args.backends.split(",") if args.backends else None
+    if wanted and not set(wanted) <= set(models.BACKENDS):
+        ap.error(f"unknown backend(s) {sorted(set(wanted) - set(models.BACKENDS))}; "
+                 f"known: {list(models.BACKENDS)}")
+    if args.cases and not set(args.cases.split(",")) <= set(models.CONFIGS):
+        ap.error(f"unknown case(s) {sorted(set(args.cases.split(',')) - set(models.CONFIGS))}; "
+                 f"known: {list(models.CONFIGS)}")
+    chosen = []
+    for name in wanted or models.BACKENDS:
+        b = models.ModelBackend(name)
+        reason = b.unavailable()
+        if reason:
+            print(f"skip {name}: {reason}", file=sys.stderr)
+        elif b.interpreted and not wanted:
+            print(f"skip {name}: interpreted on this machine (slow); name it in --backends "
+                  f"to run it", file=sys.stderr)
+        else:
+            chosen.append(b)
+    configs = args.cases.split(",") if args.cases else tuple(models.CONFIGS)
+    rows = models.compare(chosen, configs, seed=args.seed,
+                          progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(models.table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(seed=args.seed, rows=rows), f, indent=1, default=str)
+    failed = sum(not r["ok"] for r in rows)
+    print(f"parity --model: {len(rows) - failed} passed, {failed} failed")
     return 1 if failed else 0
 
 
