@@ -4,6 +4,7 @@ OUT/training_*.json (the standard runs first: training_default_fp32,
 training_triton_fp32, training_default_bf16; then the experiments by name)."""
 
 import glob
+import io
 import json
 import os
 
@@ -12,9 +13,10 @@ from .optim import Hyper
 HEADING = "## Training parity"
 PLOT = "training.png"
 STANDARD = ("training_default_fp32", "training_triton_fp32", "training_default_bf16")
-SIDES = {("torch:torch", "jax:xla"): "torch native vs JAX XLA",
-         ("torch:triton", "jax:triton"): "Triton kernels, torch vs JAX"}
+SIDES = {"torch:torch": "torch native", "jax:xla": "JAX XLA", "torch:triton": "torch Triton",
+         "jax:triton": "JAX Triton"}
 NAMES = {"torch": "torch", "jax": "JAX"}
+FLOOR = 1e-8  # the plot's floor: equal losses have no logarithm
 
 
 def write(record: dict, out: str, tag: str) -> str:
@@ -38,8 +40,7 @@ def load(out: str) -> dict:
 def label(record: dict) -> str:
     """What a run compares, from its settings."""
     s = record["settings"]
-    sides = tuple(s["sides"])
-    text = SIDES.get(sides, " vs ".join(sides))
+    text = " vs ".join(SIDES.get(x, x) for x in s["sides"])
     if s["perturb"]:
         text += f", weights {s['perturb']:g} apart at the start"
     text = f"{s['dtype']}, {text}"
@@ -95,26 +96,33 @@ def plot(records: dict, path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
     for i, (tag, rec) in enumerate(records.items()):
         color, rows = f"C{i}", rec["rows"]
         steps = [r["step"] for r in rows]
         if not rec["settings"]["perturb"]:
-            axes[0].plot(steps, [r["loss"][0] for r in rows], color=color, lw=1.2)
-            axes[0].plot(steps, [r["loss"][1] for r in rows], color=color, lw=1.2, ls="--")
-        axes[1].semilogy(steps, [max(r["loss_rel"], 1e-9) for r in rows], color=color, lw=1,
+            axes[0].plot(steps, [r["loss"][0] for r in rows], color=color, lw=1)
+            axes[0].plot(steps, [r["loss"][1] for r in rows], color=color, lw=1, ls="--")
+        axes[1].semilogy(steps, [max(r["loss_rel"], FLOOR) for r in rows], color=color, lw=0.7,
                          label=label(rec))
-        axes[2].semilogy(steps, [max(r["weight_rel"], 1e-9) for r in rows], color=color, lw=1)
+        axes[2].semilogy(steps, [max(r["weight_rel"], FLOOR) for r in rows], color=color, lw=1)
     for tol in (1e-5, 1e-3):
-        axes[1].axhline(tol, color="grey", lw=0.6, ls=":")
+        axes[1].axhline(tol, color="black", lw=0.6, ls=":")
     axes[0].set(xlabel="step", ylabel="loss (nats/byte)",
                 title="loss: torch solid, JAX dashed")
-    axes[1].set(xlabel="step", ylim=(1e-9, 1), title="loss: |b - a| / |a| (floor 1e-9)")
-    axes[2].set(xlabel="step", ylim=(1e-9, 1), title="weights: worst ||b - a|| / ||a||")
-    axes[1].legend(fontsize=6, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=72)
+    axes[1].set(xlabel="step", ylim=(FLOOR, 1),
+                title=f"loss: |b - a| / |a| (floor {FLOOR:g}; targets dotted)")
+    axes[2].set(xlabel="step", ylim=(FLOOR, 1), title="weights: worst ||b - a|| / ||a||")
+    fig.legend(*axes[1].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=64)
     plt.close(fig)
+    from PIL import Image  # matplotlib's own dependency
+
+    # a 64-colour palette: a third of the bytes of the RGBA image, the same picture
+    Image.open(buf).convert("RGB").quantize(64).save(path, optimize=True)
     return True
 
 
@@ -138,7 +146,8 @@ def section(records: dict, image: str = None) -> str:
         f"a cosine to {h['lr'] * h['lr_end']:g}. Each framework keeps its own weights "
         f"(nothing is re-synchronised). Losses compared as |b - a| / |a| (a: torch), "
         f"gradients (before clipping) and weights as the worst parameter's "
-        f"||b - a|| / ||a||.", ""]
+        f"||b - a|| / ||a||. Time: wall clock on this shared 2-core machine, which other "
+        f"work loads unevenly.", ""]
     if image:
         lines += [f"![training parity]({image})", ""]
     lines += ["| run | steps | loss at the end (a / b) | steps 1-20: largest loss difference "
@@ -179,7 +188,9 @@ def section(records: dict, image: str = None) -> str:
         lines += ["", "Checkpoint round trip: after the step shown, each side saves its model "
                   "(`save_pretrained`) and AdamW state (`optimizer.safetensors`); the other "
                   "framework loads them and trains on to the end. Relative loss differences "
-                  "of the resumed run from the uninterrupted runs:", "",
+                  "of the resumed run from the uninterrupted runs: the run saved is the "
+                  "trajectory it continues; the run loaded (the loading framework's own) had "
+                  "parted from it before the save:", "",
                   "| run | direction | after step | vs the run saved: first 20 steps / last "
                   "step | vs the run loaded: first 20 steps / last step |",
                   "|---|---|---|---|---|"]
