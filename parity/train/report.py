@@ -142,9 +142,10 @@ def section(records: dict, image: str = None) -> str:
         f"`{corpus['file']}`, {corpus['bytes']} bytes, in an order drawn from seed "
         f"{s['seed']}). AdamW b1 {h['b1']}, b2 {h['b2']}, eps {h['eps']:g}, weight decay "
         f"{h['weight_decay']} on the matrices but the embedding, gradients clipped to global "
-        f"norm {h['clip']}, learning rate {h['lr']:g} after {h['warmup']} warmup steps, then "
-        f"a cosine to {h['lr'] * h['lr_end']:g}. Each framework keeps its own weights "
-        f"(nothing is re-synchronised). Losses compared as |b - a| / |a| (a: torch), "
+        f"norm {h['clip']}, learning rate {h['lr']:g} (unless the row says otherwise) after "
+        f"{h['warmup']} warmup steps (a fifth of a shorter run), then a cosine down to a "
+        f"tenth at the run's last step. Each framework keeps its own weights (nothing is "
+        f"re-synchronised). Losses compared as |b - a| / |a| (a: the first side, torch), "
         f"gradients (before clipping) and weights as the worst parameter's "
         f"||b - a|| / ||a||. Time: wall clock on this shared 2-core machine, which other "
         f"work loads unevenly.", ""]
