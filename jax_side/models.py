@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from bridge import checkpoint
-from bridge.model_config import GLAConfig, init_rule, model_param_shapes
+from bridge.model_config import GLAConfig, init_rule
 from .layers import _linear, _rms_norm, gla_apply
 
 MODEL_AXIS = "model"
@@ -52,6 +52,11 @@ class _Init:
 
     def __init__(self, rngs, param_dtype, std, axis):
         self.rngs, self.dtype, self.std, self.axis = rngs, param_dtype, std, axis
+        mesh = jax.sharding.get_abstract_mesh()
+        if axis is not None and not mesh.empty and axis not in mesh.axis_names:
+            raise ValueError(f"model_axis: {axis!r} is not an axis of the mesh "
+                             f"{mesh.axis_names}; name the mesh's tensor-parallel axis, or "
+                             f"model_axis=None for replicated parameters")
 
     def __call__(self, name, shape, spec):
         rule = init_rule(name)
@@ -173,6 +178,16 @@ def _check_ids(input_ids, V):
                              f"got [{lo}, {hi}]")
 
 
+class Embedding(nnx.Module):
+    """weight [vocab, D] (rows over the model axis); ids -> rows."""
+
+    def __init__(self, vocab, dim, init):
+        self.weight = init("embeddings.weight", (vocab, dim), ("tp", None))
+
+    def __call__(self, ids):
+        return jnp.take(self.weight[...], ids, axis=0)
+
+
 class GLAModel(nnx.Module):
     """Embedding, blocks, final norm (fla's GLAModel).
 
@@ -222,16 +237,6 @@ class GLAModel(nnx.Module):
             out.append(s)
         h = self.norm(h)
         return (h, out) if use_cache else h
-
-
-class Embedding(nnx.Module):
-    """weight [vocab, D] (rows over the model axis); ids -> rows."""
-
-    def __init__(self, vocab, dim, init):
-        self.weight = init("embeddings.weight", (vocab, dim), ("tp", None))
-
-    def __call__(self, ids):
-        return jnp.take(self.weight[...], ids, axis=0)
 
 
 class GLAForCausalLM(nnx.Module):
@@ -323,7 +328,7 @@ class GLAForCausalLM(nnx.Module):
         list): a sequence that emits one is done; its later tokens are
         config.pad_token_id, or the eos id it emitted when there is none; when every
         sequence is done the loop stops. One compile per (shapes, max_new_tokens, top_k,
-        eos ids, greedy or not)."""
+        number of eos ids, greedy or sampling); temperature and the ids are traced."""
         cfg = self.config
         V = cfg.vocab_size
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or \

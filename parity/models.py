@@ -87,7 +87,8 @@ def reference_logits(config, params, ids, mask=None):
         v = (x @ p[a + "v_proj.weight"].T).reshape(B, T, Hk, V)
         if lc.feature_map is not None:
             q, k = FEATURE_MAPS[lc.feature_map](q), FEATURE_MAPS[lc.feature_map](k)
-        z = (x @ p[a + "gk_proj.0.weight"].T) @ p[a + "gk_proj.1.weight"].T + p[a + "gk_proj.1.bias"]
+        z = (x @ p[a + "gk_proj.0.weight"].T) @ p[a + "gk_proj.1.weight"].T \
+            + p[a + "gk_proj.1.bias"]
         gk = -np.logaddexp(0.0, -z) / lc.gate_logit_normalizer
         if lc.clamp_min is not None:
             gk = np.maximum(gk, lc.clamp_min)

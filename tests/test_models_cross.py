@@ -61,6 +61,11 @@ def test_torch_checkpoint_gives_the_same_logits_in_jax_and_back(name, tmp_path):
     back = TorchLM.from_pretrained(tmp_path / "jax")
     for k, v in m.state_dict().items():
         assert torch.equal(back.state_dict()[k], v), k
+    # in memory too: the torch model's tensors (DLPack) into a JAX model, exactly
+    other = load_jax(tmp_path / "jax")
+    other.load_params({n: p * 2 for n, p in m.params().items()})
+    for n, p in other.params().items():
+        assert np.array_equal(np.asarray(p), m.params()[n].detach().numpy() * 2), n
 
 
 @pytest.mark.parametrize("name", CONFIGS)

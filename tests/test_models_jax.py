@@ -144,6 +144,10 @@ def test_bad_inputs_raise_naming_the_argument():
         m.load_params({**params, "model.norm.weight": np.zeros(3, np.float32),
                        "lm_head.weight": np.zeros((64, 32), np.float32)})
     assert np.array_equal(m.params()["lm_head.weight"], params["lm_head.weight"])  # untouched
+    auto = (jax.sharding.AxisType.Auto,)
+    with pytest.raises(ValueError, match="model_axis: 'model' is not an axis of the mesh"):
+        with jax.set_mesh(jax.make_mesh((1,), ("data",), axis_types=auto)):
+            GLAForCausalLM(GLAConfig(**SMALL), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="mesh: the model runs under meshes with Auto axes"):
         mesh = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Explicit,))
         with jax.set_mesh(mesh):
