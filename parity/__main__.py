@@ -112,6 +112,11 @@ def table(rows) -> str:
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--train" in argv:  # the training comparison has its own options (parity/train)
+        from .train.__main__ import main as train
+
+        return train([a for a in argv if a != "--train"])
     ap = argparse.ArgumentParser(prog="python -m parity", description=__doc__.splitlines()[0])
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="the small matrix (default)")

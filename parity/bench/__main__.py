@@ -233,11 +233,17 @@ def _write_outputs(args, records, impls, machine, checks, gpu_section, json_path
     md_dir = os.path.dirname(os.path.abspath(md_path))
     machine["json"] = os.path.relpath(os.path.abspath(json_path), md_dir)
     plots = [] if args.no_plot else report.plot(records, impls, args.out)
+    text = report.markdown(records, impls, anchors.BASELINES, machine, checks,
+                           [os.path.relpath(p, md_dir) for p in plots], gpu_section,
+                           readiness, compile_time, multidevice, decode=decode, profile=profile)
+    # the training comparison has its own command (python -m parity.train): keep its section
+    from ..train import report as train_report
+
+    old = open(md_path).read() if os.path.exists(md_path) else ""
+    if train_report.extract(old):
+        text = train_report.splice(text, train_report.extract(old))
     with open(md_path, "w") as f:
-        f.write(report.markdown(records, impls, anchors.BASELINES, machine, checks,
-                                [os.path.relpath(p, md_dir) for p in plots], gpu_section,
-                                readiness, compile_time, multidevice, decode=decode,
-                                profile=profile))
+        f.write(text)
     log(f"wrote {md_path}, {json_path}" + "".join(f", {p}" for p in plots))
 
 

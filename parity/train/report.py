@@ -132,7 +132,7 @@ def section(records: dict, image: str = None) -> str:
     if not records:
         return "\n".join(lines + ["Not run yet (`python -m parity.train`).", ""])
     rec = next(iter(records.values()))
-    s, h, c, corpus = rec["settings"], rec["hyper"], rec["config"], rec["corpus"]
+    s, h, corpus = rec["settings"], rec["hyper"], rec["corpus"]
     lines += [
         f"`python -m parity.train` (`--platform triton --steps 20`, `--dtype bf16`): a GLA "
         f"language model ({s['layers']} layers, hidden {s['hidden']}, {s['heads']} heads, "
@@ -202,17 +202,32 @@ def section(records: dict, image: str = None) -> str:
     return "\n".join(lines + [""])
 
 
-def splice(text: str, new: str) -> str:
-    """`text` with its "## Training parity" section (to the next "## " heading) replaced
-    by `new`, or `new` appended."""
-    lines = text.splitlines(keepends=True)
+def _bounds(lines: list):
+    """(start, end) line indices of the "## Training parity" section (to the next "## "
+    heading), or None."""
     start = next((i for i, line in enumerate(lines) if line.rstrip() == HEADING), None)
     if start is None:
+        return None
+    return start, next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
+                       len(lines))
+
+
+def splice(text: str, new: str) -> str:
+    """`text` with its training section replaced by `new`, or `new` appended."""
+    lines = text.splitlines(keepends=True)
+    bounds = _bounds(lines)
+    if bounds is None:
         return text.rstrip("\n") + "\n\n" + new if text.strip() else new
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
-               len(lines))
+    start, end = bounds
     return "".join(lines[:start]) + new + ("\n" if end < len(lines) else "") + \
         "".join(lines[end:])
+
+
+def extract(text: str) -> str:
+    """`text`'s training section, or ""."""
+    lines = text.splitlines(keepends=True)
+    bounds = _bounds(lines)
+    return "" if bounds is None else "".join(lines[slice(*bounds)]).rstrip("\n") + "\n"
 
 
 def refresh(out: str, md: str, *, plot_it: bool = True, log=print) -> int:
