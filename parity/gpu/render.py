@@ -8,6 +8,7 @@ plan.STEPS order. Rows carry a "kind" ("test", "row", "launch", "agree", "call")
 
 import json
 
+from .. import sections
 from .plan import STEPS
 
 SCHEMA = "gla-bridge/gpu-kit/1"
@@ -337,17 +338,8 @@ def table(result) -> str:
 
 
 def replace_section(md_text, body, heading="## GPU") -> str:
-    """md_text with the body under the line `heading` (up to the next '## ' heading or the
-    end) replaced by `body`; the section is appended when absent."""
-    lines = md_text.split("\n")
-    try:
-        start = lines.index(heading)
-    except ValueError:
-        return md_text.rstrip("\n") + f"\n\n{heading}\n\n{body.rstrip()}\n"
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    tail = lines[end:]
-    new = lines[:start + 1] + [""] + body.rstrip("\n").split("\n") + [""]
-    return "\n".join(new + tail) if tail else "\n".join(new)
+    """md_text with its GPU section's body replaced by `body` (parity.sections)."""
+    return sections.replace_section(md_text, body, heading)
 
 
 def update_files(result, md_path=None, results_json=None, json_copy=None) -> list:

@@ -8,6 +8,7 @@ import io
 import json
 import os
 
+from ..sections import replace_section, section_body
 from .optim import Hyper
 
 HEADING = "## Training parity"
@@ -202,32 +203,16 @@ def section(records: dict, image: str = None) -> str:
     return "\n".join(lines + [""])
 
 
-def _bounds(lines: list):
-    """(start, end) line indices of the "## Training parity" section (to the next "## "
-    heading), or None."""
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == HEADING), None)
-    if start is None:
-        return None
-    return start, next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
-                       len(lines))
-
-
 def splice(text: str, new: str) -> str:
-    """`text` with its training section replaced by `new`, or `new` appended."""
-    lines = text.splitlines(keepends=True)
-    bounds = _bounds(lines)
-    if bounds is None:
-        return text.rstrip("\n") + "\n\n" + new if text.strip() else new
-    start, end = bounds
-    return "".join(lines[:start]) + new + ("\n" if end < len(lines) else "") + \
-        "".join(lines[end:])
+    """`text` with its training section replaced by `new` (the section, heading first),
+    or `new` appended (parity.sections)."""
+    return replace_section(text, new.split("\n", 1)[1].strip("\n"), HEADING)
 
 
 def extract(text: str) -> str:
-    """`text`'s training section, or ""."""
-    lines = text.splitlines(keepends=True)
-    bounds = _bounds(lines)
-    return "" if bounds is None else "".join(lines[slice(*bounds)]).rstrip("\n") + "\n"
+    """`text`'s training section (heading first), or ""."""
+    body = section_body(text, HEADING)
+    return "" if body is None else f"{HEADING}\n\n{body}\n"
 
 
 def refresh(out: str, md: str, *, plot_it: bool = True, log=print) -> int:
