@@ -448,7 +448,10 @@ def report(shape, dtype="bf16", mode="chunk", archs=(80, 90), gates="key", ptx_d
     fam = family(mode)
     plan = report_plan(shape, dtype, gates)
     short = {v: k for k, v in DTYPES.items()}[plan.dtype]
-    phases = [("fwd", fam.forward_launches(plan)), ("bwd", fam.backward_launches(plan, True))]
+    # the backward as the default plan runs it: with the forward's buffers it reuses
+    kept = fam.kept(plan) if hasattr(fam, "kept") else ()
+    phases = [("fwd", fam.forward_launches(plan)),
+              ("bwd", fam.backward_launches(plan, True, **({"kept": kept} if kept else {})))]
     dtypes = tensor_dtypes(plan, [ls for _, ls in phases])
     if ptx_dir:
         os.makedirs(ptx_dir, exist_ok=True)
@@ -509,7 +512,7 @@ def report(shape, dtype="bf16", mode="chunk", archs=(80, 90), gates="key", ptx_d
     rep = {"shape": dict(B=plan.B, T=plan.T, H=plan.H, Hk=plan.Hk, K=plan.K, V=plan.V,
                          N=plan.N),
            "dtype": short, "mode": mode, "gates": gates, "archs": [f"sm_{a}" for a in archs],
-           "alignment_hints": hints, "launches": launches,
+           "alignment_hints": hints, "launches": launches, "kept": list(kept),
            "workspace_bytes": workspace_bytes(plan, phases[1][1]),
            "lower_bound_us": bounds, "lower_bound_target": bound_target,
            "dynamic_warp_instructions": dynamic,
@@ -532,7 +535,9 @@ def markdown(rep: dict, sass_target=None) -> str:
              f"(B,T,H,K,V)=({s['B']},{s['T']},{s['H']},{s['K']},{s['V']}); triton "
              f"{rep['versions']['triton']}. Lower bound: H100 SXM roofline "
              f"({rep['lower_bound_target']} PTX), workspace "
-             f"{rep['workspace_bytes'] / 2**20:.1f} MiB.", "",
+             f"{rep['workspace_bytes'] / 2**20:.1f} MiB"
+             + (f"; the backward reuses the forward's {', '.join(rep['kept'])} "
+                "(bridge.kernels.chunk.kept)." if rep.get("kept") else "."), "",
              "| phase | kernel | target | grid | warps/stages | regs | spill B | smem KiB "
              "| mma | wgmma | types | GFLOP | MB | bound us |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -122,9 +122,15 @@ def _check_structure(rep, plan, launches_of):
         assert r["dynamic"] >= r["programs"] * r["num_warps"]
         for lp in r["loops"]:
             assert lp["runs"] >= 0 and lp["static_nested"] >= lp["static"] > 0
+    # the backward as the default plan runs it: reusing what the family keeps
+    kept = launches_of.kept(plan) if hasattr(launches_of, "kept") else ()
+    assert rep["kept"] == list(kept)
+    backward = launches_of.backward_launches(plan, True, **({"kept": kept} if kept else {}))
+    assert [r["kernel"] for r in recs if r["phase"] == "bwd" and r["target"] == "sm_90"] == [
+        launch.kernel.__name__ for launch in backward]
     ws = rep["workspace_bytes"]
     assert isinstance(ws, int) and ws >= 0
-    assert ws == aot.workspace_bytes(plan, launches_of.backward_launches(plan, True))
+    assert ws == aot.workspace_bytes(plan, backward)
 
 
 def _product(xs):
@@ -141,8 +147,9 @@ def test_report_structure(bf16_report):
     assert rep["shape"] == dict(B=2, T=256, H=4, Hk=4, K=128, V=128, N=2)
     names = [r["kernel"] for r in rep["launches"] if r["target"] == "sm_90"]
     plan = aot.report_plan(SMALL, "bf16")
-    assert names == [l.kernel.__name__ for l in
-                     chunk.forward_launches(plan) + chunk.backward_launches(plan, True)]
+    assert names == [l.kernel.__name__ for l in chunk.forward_launches(plan)
+                     + chunk.backward_launches(plan, True, kept=chunk.kept(plan))]
+    assert "chunk_intra_kernel" not in names[len(chunk.forward_launches(plan)):]  # A reused
 
 
 def test_ptx_dir_matches_counts(bf16_report):
