@@ -449,9 +449,8 @@ def report(shape, dtype="bf16", mode="chunk", archs=(80, 90), gates="key", ptx_d
     plan = report_plan(shape, dtype, gates)
     short = {v: k for k, v in DTYPES.items()}[plan.dtype]
     # the backward as the default plan runs it: with the forward's buffers it reuses
-    kept = fam.kept(plan) if hasattr(fam, "kept") else ()
-    phases = [("fwd", fam.forward_launches(plan)),
-              ("bwd", fam.backward_launches(plan, True, **({"kept": kept} if kept else {})))]
+    kept = fam.kept(plan)
+    phases = [("fwd", fam.forward_launches(plan)), ("bwd", fam.backward_launches(plan, True, kept))]
     dtypes = tensor_dtypes(plan, [ls for _, ls in phases])
     if ptx_dir:
         os.makedirs(ptx_dir, exist_ok=True)

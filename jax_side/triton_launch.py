@@ -129,8 +129,7 @@ def run(launches, env, want):
 
 def _kept(plan, mode) -> tuple:
     """The forward buffers the family's backward reuses (bridge.kernels.chunk.kept)."""
-    kernels = family(mode)
-    return kernels.kept(plan) if hasattr(kernels, "kept") else ()
+    return family(mode).kept(plan)
 
 
 def _execute(plan, mode, stage, env):
@@ -143,7 +142,7 @@ def _execute(plan, mode, stage, env):
     kernels = family(mode)
     if stage == "fwd":
         return run(kernels.forward_launches(plan), env, ("o", "final_state", *kept))
-    launches = kernels.backward_launches(plan, use_dht=True, **({"kept": kept} if kept else {}))
+    launches = kernels.backward_launches(plan, use_dht=True, kept=kept)
     made = {o.name for launch in launches for o in launch.outputs if o}
     got = grads.assemble(plan, run(launches, env, [n for n in grads.BUFFERS if n in made]))
     return {n: got[n].astype(env[n].dtype) for n in grads.INPUTS if env[n] is not None}

@@ -123,9 +123,9 @@ def _check_structure(rep, plan, launches_of):
         for lp in r["loops"]:
             assert lp["runs"] >= 0 and lp["static_nested"] >= lp["static"] > 0
     # the backward as the default plan runs it: reusing what the family keeps
-    kept = launches_of.kept(plan) if hasattr(launches_of, "kept") else ()
+    kept = launches_of.kept(plan)
     assert rep["kept"] == list(kept)
-    backward = launches_of.backward_launches(plan, True, **({"kept": kept} if kept else {}))
+    backward = launches_of.backward_launches(plan, True, kept)
     assert [r["kernel"] for r in recs if r["phase"] == "bwd" and r["target"] == "sm_90"] == [
         launch.kernel.__name__ for launch in backward]
     ws = rep["workspace_bytes"]

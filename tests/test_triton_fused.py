@@ -172,6 +172,10 @@ def test_launch_costs():
     # pass 1: q, k, v, do (bf16), g_gamma, dfinal_state; dq' partials and dgamma partials
     assert bwd[0].bytes == (2 * B * T * H * (2 * K + 2 * V) + H * 4 + 4 * B * H * K * V
                             + 4 * B * T * H * NV * K + 4 * B * H * NV)
+    # the family interface of bridge.kernels.family: this backward reuses nothing
+    assert fr.kept(plan) == ()
+    with pytest.raises(ValueError, match="^kept: the fused recurrent backward"):
+        fr.backward_launches(plan, use_dht=True, kept=("A",))
 
 
 def test_errors_before_any_kernel():

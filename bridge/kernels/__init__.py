@@ -40,7 +40,8 @@ if INTERPRETED:
 
 def family(mode: str):
     """The kernel module for a resolved Triton `mode` ("chunk" or "fused_recurrent"):
-    it provides `forward_launches(plan)` and `backward_launches(plan, use_dht)`."""
+    it provides `forward_launches(plan)`, `kept(plan)` (the forward buffers the backward
+    reuses, which the frameworks keep) and `backward_launches(plan, use_dht, kept)`."""
     if mode == "chunk":
         from . import chunk
 

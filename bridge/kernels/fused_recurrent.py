@@ -341,11 +341,21 @@ def forward_launches(plan) -> list:
         num_warps=c["num_warps"])])
 
 
-def backward_launches(plan, use_dht: bool) -> list:
+def kept(plan) -> tuple:
+    """The forward's buffers the backward reuses (see chunk.kept): none, its passes
+    recompute the states."""
+    return ()
+
+
+def backward_launches(plan, use_dht: bool, kept: tuple = ()) -> list:
     """Reads the forward inputs, do [B,T,H,V] and (use_dht) dfinal_state
     [N,H,K,V]; writes the fp32 buffers `gradients` reads. The three passes of
     the module docstring; pass 1 also takes the final-state gate terms and the
-    whole g_gamma gradient, so pass 2 needs no final_state."""
+    whole g_gamma gradient, so pass 2 needs no final_state. `kept` is `kept(plan)`:
+    empty."""
+    if kept:
+        raise ValueError(f"kept: the fused recurrent backward reuses no forward buffer, "
+                         f"got {kept}")
     c = config(plan)
     B, T, H, K, V, N, NV = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N, c["NV"]
     blocks = dict(BK=c["BK"], BV=c["BV"], NV=NV)
