@@ -282,16 +282,21 @@ def lower_bound(rec: dict) -> tuple:
 
 # ---------------------------------------------------------------- SASS
 
-def launch_params(launch) -> dict:
+def launch_params(launch, dtypes: dict = None) -> dict:
     """{parameter: value} of a launch for `bridge.tripcounts`: constexprs and
-    scalars as given, tensors UNKNOWN (absent ones too: the launchers pass a
-    real pointer for them)."""
+    scalars as given, tensors pointers of their dtype in `dtypes` ({name: dtype
+    name}, as `tensor_dtypes` gives; absent ones get q's, as the launchers pass
+    q), or UNKNOWN without `dtypes`."""
     from .launch import Out
-    from .tripcounts import UNKNOWN
+    from .tripcounts import UNKNOWN, pointer
 
     params = dict(launch.constexprs)
     for p, a in _arguments(launch):
-        params[p] = UNKNOWN if a is None or isinstance(a, (str, Out)) else a
+        if a is None or isinstance(a, (str, Out)):
+            name = a.name if isinstance(a, Out) else (a or "q")
+            params[p] = pointer(dtypes[name]) if dtypes else UNKNOWN
+        else:
+            params[p] = a
     return params
 
 
@@ -455,7 +460,8 @@ def report(shape, dtype="bf16", mode="chunk", archs=(80, 90), gates="key", ptx_d
     if ptx_dir:
         os.makedirs(ptx_dir, exist_ok=True)
     launches, used = [], set()
-    trips = {id(launch): launch_trips(launch.kernel, launch.grid, launch_params(launch))
+    trips = {id(launch): launch_trips(launch.kernel, launch.grid,
+                                      launch_params(launch, dtypes))
              for _, ls in phases for launch in ls}
     for arch in archs:
         for phase, ls in phases:

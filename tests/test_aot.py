@@ -497,6 +497,51 @@ def test_trip_counts_by_hand(tmp_path, monkeypatch):
     assert (wide.evaluated, wide.per_program[key(9)]) == (1, 5 * 21)
 
 
+_DTYPED = """
+import triton
+import triton.language as tl
+
+
+@triton.constexpr_function
+def pieces(op, gate):
+    return 1 if gate == op else 3
+
+
+@triton.jit
+def dtype_toy(x, y, L: tl.constexpr):
+    b = tl.load(x + tl.arange(0, 16))
+    ONE: tl.constexpr = (b.dtype != tl.float32) & (y.dtype.element_ty == b.dtype)
+    for i in range(0, 1 if ONE else L):
+        tl.store(y + i, b.to(tl.float32))
+    for j in tl.static_range(pieces(x.dtype.element_ty, tl.bfloat16)):
+        tl.store(y + j, b)
+"""
+
+
+def test_trip_counts_follow_dtypes(tmp_path, monkeypatch):
+    """A loop whose bound depends on a loaded tile's dtype or a constexpr function of
+    pointer dtypes is counted from `tripcounts.pointer` arguments, and listed as
+    not derivable when the tensors are left UNKNOWN."""
+    from bridge import tripcounts
+
+    (tmp_path / "dtype_toy.py").write_text(_DTYPED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import dtype_toy
+
+    key = lambda line: ("dtype_toy.py", line)  # noqa: E731
+    P = tripcounts.pointer
+    counts = {}
+    for x, y in (("bf16", "bfloat16"), ("float32", "float32"), ("bf16", "fp32")):
+        tc = tripcounts.trip_counts(dtype_toy.dtype_toy, (3,), dict(x=P(x), y=P(y), L=5))
+        assert not tc.unknown
+        counts[x, y] = (tc.mean(key(15)), tc.mean(key(17)))
+    assert counts == {("bf16", "bfloat16"): (1, 1), ("float32", "float32"): (5, 3),
+                      ("bf16", "fp32"): (5, 1)}
+    blind = tripcounts.trip_counts(dtype_toy.dtype_toy, (3,),
+                                   dict(x=tripcounts.UNKNOWN, y=tripcounts.UNKNOWN, L=5))
+    assert blind.unknown[key(15)] == 3
+
+
 def test_targets_and_readiness_section(bf16_report):
     """The report's issue-30 targets and BENCHMARKS.md's GPU-readiness rendering:
     without fla the comparisons are "not measured"; given fla records (here our own
