@@ -9,7 +9,9 @@ objects or asked for its kernels.
 - `contract.py`*: the argument checks and the frozen `Plan` (torch: offsets checked on
   the device).
 - `dispatch.py`: the steps of every call around the launch (prepare, route, layouts).
-- `variants.py`: the named variants over a framework's `recurrent`.
+- `variants.py`: what the named variants of both frameworks share (ejkernel's aliases, the
+  Lightning decay, argument rules).
+- `context.py`: the framework-neutral steps of context parallelism and its vocabulary.
 - `grads.py`: gradients from a backward launch list's buffers.
 - `launch.py`: the `Launch` records of a launch list.
 - `kernels/`: the Triton kernels and their launch plans (`__init__.py`* asks torch whether

@@ -135,7 +135,3 @@ def forward_mode_message(plan, platform) -> str:
 
 
 recurrent.__doc__ = variants.RECURRENT_DOC
-
-
-recurrent_gla, lightning_attn, gla_attention = variants.named_variants(
-    recurrent, lambda a, like: jnp.asarray(a))

@@ -98,8 +98,3 @@ def recurrent(q=None, k=None, v=None, g=None, g_gamma=None, gk=None, gv=None,
 
 
 recurrent.__doc__ = variants.RECURRENT_DOC
-
-
-# torch.tensor of Python floats (exact for float32 values), not from_numpy: traceable
-recurrent_gla, lightning_attn, gla_attention = variants.named_variants(
-    recurrent, lambda a, like: torch.tensor(a.tolist(), dtype=torch.float32, device=like.device))
