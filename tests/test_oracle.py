@@ -5,9 +5,8 @@ central finite differences for every gradient, the identities SPEC.md implies
 import numpy as np
 import pytest
 
+from bridge.contract import TOKENS  # the inputs with a time axis
 from parity import cases, oracle
-
-TIME_INPUTS = ("q", "k", "v", "g", "gk", "gv")  # inputs with a time axis
 
 
 def make_inputs(seed=0, **fields):
@@ -79,7 +78,7 @@ def test_gradients_match_finite_differences(config):
 
 
 def slice_time(kw, sl, axis):
-    return {n: (x[(slice(None),) * axis + (sl,)] if n in TIME_INPUTS else x)
+    return {n: (x[(slice(None),) * axis + (sl,)] if n in TOKENS else x)
             for n, x in kw.items()}
 
 
@@ -89,7 +88,7 @@ def test_varlen_equals_separate_calls(reverse):
     kw, _, _ = make_inputs(seed=2, H=2, Hk=1, seqlens=seqlens, packed=True, g="key", gv=True,
                            g_gamma="seq", initial_state=True)
     o, s = oracle.recurrent(**kw, reverse=reverse)
-    batched = {n: (x[None] if n in TIME_INPUTS else x) for n, x in kw.items()}
+    batched = {n: (x[None] if n in TOKENS else x) for n, x in kw.items()}
     o_b, s_b = oracle.recurrent(**batched, reverse=reverse)
     assert o.shape == kw["q"].shape[:-1] + (4,) and o_b.shape == (1,) + o.shape
     np.testing.assert_array_equal(o_b[0], o)
@@ -126,7 +125,7 @@ def test_reverse_equals_flipping_time():
     kw, do, _ = make_inputs(seed=4, g="key", gk=True, gv=True, g_gamma="head",
                             initial_state=True)
     o, s = oracle.recurrent(**kw, reverse=True)
-    flipped = {n: (x[:, ::-1] if n in TIME_INPUTS else x) for n, x in kw.items()}
+    flipped = {n: (x[:, ::-1] if n in TOKENS else x) for n, x in kw.items()}
     o_f, s_f = oracle.recurrent(**flipped)
     np.testing.assert_allclose(o, o_f[:, ::-1], rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(s, s_f, rtol=1e-12, atol=1e-12)
