@@ -180,3 +180,33 @@ def test_folded_is_the_plan_of_the_stacked_problems(packed, g_gamma):
     assert plan.folded(n) == want
     shared = plan.folded(n, gamma_per_sequence=False)
     assert shared.g_gamma == plan.g_gamma and shared.N == want.N and shared.B == want.B
+
+
+# ---------------------------------------------------------------- the key decay
+
+@pytest.mark.parametrize("given", [(), ("g",), ("gk",), ("g_gamma",), ("g", "gk", "g_gamma"),
+                                   ("gk", "g_gamma")])
+def test_key_decay_is_the_oracles(given):
+    """bridge.decay.key_decay on whole [B,T,H,K] arrays (numpy, torch, jax) equals the
+    oracle's per-step log decay a_t, step by step; None with no key-side gate."""
+    import jax.numpy as jnp
+
+    from bridge.decay import key_decay
+    from parity import oracle
+
+    a = {n: x.astype(np.float64) for n, x in _arrays().items()}
+    p = oracle._Problem(a["q"], a["k"], a["v"], a["g"] if "g" in given else None,
+                        a["g_gamma"] if "g_gamma" in given else None,
+                        a["gk"] if "gk" in given else None, None, None, None, False, None)
+    for xp in (np.asarray, torch.from_numpy, jnp.asarray):
+        got = key_decay(*(xp(a[n]) if n in given else None for n in ("g", "gk")),
+                        xp(a["g_gamma"][:, None]) if "g_gamma" in given else None)
+        if not given:
+            assert got is None
+            continue
+        got = np.broadcast_to(np.asarray(got), (B, T, H, K))
+        for b in range(B):
+            for t in range(T):
+                for h in range(H):
+                    np.testing.assert_allclose(got[b, t, h], p.log_decays(b, b, t, h)[0],
+                                               rtol=1e-6, atol=0)

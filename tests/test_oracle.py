@@ -5,7 +5,7 @@ central finite differences for every gradient, the identities SPEC.md implies
 import numpy as np
 import pytest
 
-from bridge.contract import TOKENS  # the inputs with a time axis
+from bridge.contract import INPUTS, TOKENS  # the inputs; those with a time axis
 from parity import cases, oracle
 
 
@@ -63,7 +63,7 @@ FD_EXTRA = {"gqa-key-gates": dict(softmax_scale=0.7), "head-gate-reverse": dict(
 def test_gradients_match_finite_differences(config):
     kw, do, dfs = make_inputs(seed=1, **FD_CONFIGS[config])
     kw.update(FD_EXTRA[config])
-    given = [n for n in ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state") if n in kw]
+    given = [n for n in INPUTS if n in kw]
     zero_do, zero_dfs = np.zeros_like(do), np.zeros_like(dfs)
     paths = {"o only": (do, None), "final_state only": (zero_do, dfs), "both": (do, dfs)}
     got = {p: oracle.recurrent_grads(**kw, do=a, dfinal_state=b) for p, (a, b) in paths.items()}
@@ -131,7 +131,7 @@ def test_reverse_equals_flipping_time():
     np.testing.assert_allclose(s, s_f, rtol=1e-12, atol=1e-12)
     g_r = oracle.recurrent_grads(**kw, reverse=True, do=do)
     g_f = oracle.recurrent_grads(**flipped, do=do[:, ::-1])
-    for n in ("q", "k", "v", "g", "gk", "gv"):
+    for n in TOKENS:
         np.testing.assert_allclose(g_r[n], g_f[n][:, ::-1], rtol=1e-12, atol=1e-12)
 
 
