@@ -105,8 +105,29 @@ def _parameters(kernel) -> tuple:
     return params
 
 
+_ORDERS: dict = {}  # (kernel, the bound names by kind) -> [(param, kind)] in kernel order
+
+
 def _bind(launch) -> list:
-    """The runtime arguments of `launch` in kernel order (see Launch), or a TypeError."""
+    """The runtime arguments of `launch` in kernel order (see Launch), or a TypeError.
+    The check depends only on the kernel and the names bound, so it runs once for each."""
+    key = (launch.kernel, *(tuple(d) if isinstance(d, dict) else d for d in (
+        launch.inputs, launch.scalars, launch.outputs, launch.constexprs)))
+    try:
+        order = _ORDERS.get(key)
+    except TypeError:  # unhashable: _order_of says what is wrong
+        order = None
+    if order is None:
+        order = _ORDERS[key] = _order_of(launch)
+    ins, scalars, outs = launch.inputs, launch.scalars, launch.outputs
+    return [(p, kind, (ins if kind == "in" else scalars if kind == "scalar" else outs)[p])
+            for p, kind in order]
+
+
+def _order_of(launch) -> list:
+    """[(param, kind)] of the runtime parameters in kernel order, after checking that the
+    four dicts of `launch` bind each parameter of its kernel once, in an order the
+    executors can pass (see Launch)."""
     names, optional = _parameters(launch.kernel)
     kname = getattr(launch.kernel, "__name__", "kernel")
     kinds = {}
@@ -140,8 +161,7 @@ def _bind(launch) -> list:
         elif seen_out:
             raise TypeError(f"{kname}: {kind} parameter {p!r} follows output {seen_out!r} "
                             f"(jax-triton passes outputs after every input and scalar)")
-    given = {**launch.inputs, **launch.scalars, **launch.outputs}
-    return [(p, kind, given[p]) for p, kind in order if kind != "constexpr"]
+    return [(p, kind) for p, kind in order if kind != "constexpr"]
 
 
 def resolve_dtype(spec: str, dtype_of) -> object:
