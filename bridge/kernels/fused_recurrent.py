@@ -43,8 +43,7 @@ import triton
 import triton.language as tl
 
 from ..launch import Launch, Out
-from .common import (check_k, flags, gate_inputs, head_gamma, next_pow2, present, seq_bounds,
-                     varlen_input)
+from .common import check_k, flags, gate_inputs, head_gamma, next_pow2, seq_bounds, varlen_input
 
 
 LOG2E = tl.constexpr(1.4426950408889634)
