@@ -611,7 +611,8 @@ def _variant_mode(args, arch):
                 # once, whichever plan or family asked for it first
                 key = (launch.kernel.__name__, repr(sorted(launch.constexprs.items())),
                        launch.num_warps, plan.dtype,
-                       tuple(dtypes[n] if n else plan.dtype for n in launch.inputs.values()))
+                       tuple(dtypes[n] if n else plan.dtype
+                             for _, kind, n in launch.arguments() if kind == "in"))
                 if key in built:
                     continue
                 built.add(key)
