@@ -6,14 +6,16 @@ Framework-neutral: importing these needs neither torch nor JAX (NumPy, and Trito
 kernels). Those marked * import a framework inside one function, only when handed its
 objects or asked for its kernels.
 
-- `contract.py`*: the argument checks and the frozen `Plan` (torch: offsets checked on
-  the device).
+- `contract.py`*: the vocabulary (input names, which have a time axis, which are per
+  sequence), the argument checks and the frozen `Plan` with its tensors' shapes, dtypes
+  and bytes (torch: offsets checked on the device).
+- `decay.py`: the key decay `g + gk + g_gamma` on whole arrays of any framework.
 - `dispatch.py`: the steps of every call around the launch (prepare, route, layouts).
 - `variants.py`: what the named variants of both frameworks share (ejkernel's aliases, the
   Lightning decay, argument rules).
 - `context.py`: the framework-neutral steps of context parallelism and its vocabulary.
 - `grads.py`: gradients from a backward launch list's buffers.
-- `launch.py`: the `Launch` records of a launch list.
+- `launch.py`: the `Launch` records of a launch list, bound by kernel parameter name.
 - `kernels/`: the Triton kernels and their launch plans (`__init__.py`* asks torch whether
   a GPU is there, to choose Triton's interpreter; `interpreter.py` patches it).
 - `weights.py`*: the layer configuration; weight transfer torch <-> JAX.

@@ -27,12 +27,12 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_side  # noqa: E402
+from bridge.contract import TOKENS  # noqa: E402
 from parity import cases, oracle  # noqa: E402
 from parity.compare import rel_err  # noqa: E402
 from parity.bench.multidevice import collective_bytes  # noqa: E402
 
 NAMES = cases.INPUTS
-TOKENS = ("q", "k", "v", "g", "gk", "gv")
 
 
 def report(name, err, tol, **extra):
