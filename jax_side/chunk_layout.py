@@ -5,6 +5,8 @@
 import jax.numpy as jnp
 import numpy as np
 
+from bridge.decay import key_decay
+
 
 class Layout:
     """Maps tokens [B, T, H, D] to chunk slots [S, R, H, C, D] and back.
@@ -79,15 +81,14 @@ class Layout:
         (K = 1 with only per-head terms), in `dtype`; None without key-side gates.
         g_gamma is zero at padding positions, which must not decay."""
         f = lambda x: jnp.asarray(x).astype(dtype)  # noqa: E731
-        a = None
+        a_g = a_gk = gam = None
         if plan.g != "none":
-            a = self.chunks(f(g) if plan.g == "key" else f(g)[..., None])
+            a_g = self.chunks(f(g) if plan.g == "key" else f(g)[..., None])
         if plan.gk:
-            a = self.chunks(f(gk)) if a is None else a + self.chunks(f(gk))
+            a_gk = self.chunks(f(gk))
         if plan.g_gamma != "none":
             gam = f(g_gamma)
             gam = gam[self.seq] if plan.g_gamma == "seq" else jnp.broadcast_to(
                 gam, (self.R, plan.H))
             gam = gam[..., None, None] * self.valid
-            a = gam if a is None else a + gam
-        return a
+        return key_decay(a_g, a_gk, gam)

@@ -21,6 +21,7 @@ from jax import lax
 
 from bridge import context as combine
 from bridge import contract
+from bridge.decay import key_decay
 
 
 def axis_position(axis):
@@ -52,11 +53,11 @@ def local_offsets(cu_seqlens, T_local, axis):
 def _key_decay(plan, g, gk, g_gamma, seq, dtype):
     """a_t = g_t + gk_t + g_gamma, [B,T,H,K or 1] in `dtype` (None without key gates);
     `seq` [T]: each token's sequence with cu_seqlens (for g_gamma [N, H])."""
-    a = None
+    a_g = a_gk = gam = None
     if plan.g != "none":
-        a = g.astype(dtype) if plan.g == "key" else g.astype(dtype)[..., None]
+        a_g = g.astype(dtype) if plan.g == "key" else g.astype(dtype)[..., None]
     if plan.gk:
-        a = gk.astype(dtype) if a is None else a + gk.astype(dtype)
+        a_gk = gk.astype(dtype)
     if plan.g_gamma != "none":
         gam = g_gamma.astype(dtype)
         if plan.g_gamma == "head":
@@ -66,8 +67,7 @@ def _key_decay(plan, g, gk, g_gamma, seq, dtype):
         else:
             gam = gam[:, None]                          # [B,1,H]
         gam = jnp.broadcast_to(gam, (plan.B, plan.T, plan.H))[..., None]
-        a = gam if a is None else a + gam
-    return a
+    return key_decay(a_g, a_gk, gam)
 
 
 def _edge_cumsum(x, reverse):
@@ -80,7 +80,7 @@ def context_parallel(plan, local, axis, inputs, cu_seqlens, cu_global):
 
     plan: the contract's Plan of this device's slice (local T; with cu_seqlens the
     local offsets from `local_offsets`). local(plan, inputs, cu_seqlens) -> (o,
-    final_state): one platform's call. `inputs`: the arrays of `bridge.grads.INPUTS` by
+    final_state): one platform's call. `inputs`: the arrays of `bridge.contract.INPUTS` by
     name (absent ones None), batched layout; cu_seqlens are the local offsets
     (`local_offsets`) of the global ones, cu_global. Returns o [B,T,H,V] (this slice)
     and final_state [N,H,K,V], the same on every device of `axis`.

@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from bridge.decay import key_decay
+
 from .chunk_layout import Layout
 from .sharding import vary, varying
 from .xla_decay import SUB, level, local, rowdot, spans
@@ -156,15 +158,11 @@ def stepwise(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial_stat
     col = lambda x, t: jnp.asarray(x)[:, t].astype(ct)
     o = [None] * T
     for t in (reversed(range(T)) if plan.reverse else range(T)):
-        a = []
-        if g is not None:
-            a.append(col(g, t)[..., None] if plan.g == "head" else col(g, t))
-        if gk is not None:
-            a.append(col(gk, t))
-        if gam is not None:
-            a.append(gam[..., None])
-        if a:
-            S = jnp.exp(sum(a[1:], a[0]))[..., None] * S  # (as a plain update: same program)
+        a = key_decay(None if g is None else col(g, t)[..., None] if plan.g == "head"
+                      else col(g, t), None if gk is None else col(gk, t),
+                      None if gam is None else gam[..., None])
+        if a is not None:
+            S = jnp.exp(a)[..., None] * S  # (as a plain update: same program)
         if gv is not None:
             S = jnp.exp(col(gv, t))[..., None, :] * S
         kt, vt = col(k, t), col(v, t)

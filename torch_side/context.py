@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from bridge import context as combine
+from bridge.decay import key_decay
 
 
 def group_size_rank(group):
@@ -89,11 +90,7 @@ def _slice_sums(c, lo, hi, reverse):
 def _key_decay(g, gk, g_gamma, seq, lead, dtype):
     """a_t = g_t + gk_t + g_gamma, [B,T,H,1 or K] in `dtype` (None without key gates);
     `seq` [T]: each token's sequence with cu_seqlens (for g_gamma [N, H])."""
-    parts = []
-    if g is not None:
-        parts.append((g.unsqueeze(-1) if g.dim() == 3 else g).to(dtype))
-    if gk is not None:
-        parts.append(gk.to(dtype))
+    gam = None
     if g_gamma is not None:
         gam = g_gamma.to(dtype)
         if gam.dim() == 1:
@@ -102,14 +99,15 @@ def _key_decay(g, gk, g_gamma, seq, lead, dtype):
             gam = gam[:, None, :, None]
         else:
             gam = gam.index_select(0, seq.clamp(0, gam.shape[0] - 1))[None, :, :, None]
-        parts.append(gam.expand(*lead, 1))
-    return sum(parts[1:], parts[0]) if parts else None
+        gam = gam.expand(*lead, 1)
+    return key_decay(None if g is None else (g.unsqueeze(-1) if g.dim() == 3 else g).to(dtype),
+                     None if gk is None else gk.to(dtype), gam)
 
 
 def context_parallel(local, group, inputs, cu_seqlens, scale, reverse):
     """One call of SPEC.md's recurrence with the time axis split over `group`.
 
-    `inputs` by name (`bridge.grads.INPUTS`, absent ones None): this rank's slice in the
+    `inputs` by name (`bridge.contract.INPUTS`, absent ones None): this rank's slice in the
     batched layout, q [B,T,H,K], k [B,T,Hk,K], v [B,T,Hk,V], g [B,T,H(,K)], gk [B,T,H,K],
     gv [B,T,H,V]; the whole g_gamma [H] or [N,H] and initial_state [N,H,K,V]. cu_seqlens:
     the global packed offsets [N+1] (B = 1, every rank T tokens) or None.

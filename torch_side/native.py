@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from bridge.grads import INPUTS
+from bridge.contract import INPUTS
+from bridge.decay import key_decay
 
 from .native_chunk import bmm, chunk_backward, chunk_forward, decayed_updates, state_recurrence
 from .native_config import DEFAULT, NativeConfig
@@ -52,7 +53,7 @@ def recurrent_native(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, init
 def recurrent_native_backward(plan, inputs, cu_seqlens, do, dfinal_state, chunk_size=64,
                               config: NativeConfig = DEFAULT):
     """{name: gradient} of the present inputs (`inputs`: the arrays of
-    `bridge.grads.INPUTS` by name, absent ones None), each in its input's dtype and shape;
+    `bridge.contract.INPUTS` by name, absent ones None), each in its input's dtype and shape;
     `do` [B,T,H,V] and `dfinal_state` [N,H,K,V] may be None. Nothing of the forward is
     kept (an op's outputs need fixed shapes): the slab-by-slab backward recomputes it
     (_streamed_backward)."""
@@ -189,11 +190,9 @@ def _stepwise(plan, dtype, q, k, v, g, gk, gv, g_gamma, initial_state):
     S, own = (None if initial_state is None else wide(initial_state)), False
     o = torch.empty(T, B * H, 1, V, dtype=q.dtype, device=q.device)  # o[t]: a bmm's shape
     for t in (reversed(range(T)) if plan.reverse else range(T)):
-        a = None  # the key-side log decay [B, H, K or 1] of this step
-        for x in (None if g is None else g.select(1, t).unsqueeze(-1) if plan.g == "head"
-                  else g.select(1, t), None if gk is None else gk.select(1, t), gam):
-            if x is not None:
-                a = wide(x) if a is None else a + wide(x)
+        a = key_decay(*(None if x is None else wide(x) for x in (  # [B, H, K or 1]
+            None if g is None else g.select(1, t).unsqueeze(-1) if plan.g == "head"
+            else g.select(1, t), None if gk is None else gk.select(1, t), gam)))
         for d, side in ((a, -1), (None if gv is None else wide(gv.select(1, t)), -2)):
             if d is not None and S is not None:
                 d = d.exp().unsqueeze(side)
