@@ -63,7 +63,7 @@ def test_opcheck_and_oracle(name, mode):
                                 **(dict(test_utils=CHEAP) if mode == "chunk" else {}))
     assert set(out.values()) == {"SUCCESS"}, out
 
-    o, fin = custom_ops.fwd(*ins, cu, scale, reverse, mode)
+    o, fin, kept = custom_ops.fwd(*ins, cu, scale, reverse, mode)
     np_ins = {n: _np(x) for n, x in zip(ARGS, ins) if x is not None}
     cu_np = None if cu is None else cu.numpy()
     o_ref, fin_ref = oracle.recurrent(**np_ins, softmax_scale=scale, reverse=reverse,
@@ -73,7 +73,7 @@ def test_opcheck_and_oracle(name, mode):
         return
 
     do, dfin = cot["do"], cot["dfinal_state"]
-    bwd_args = [*ins, cu, fin, do, dfin, scale, reverse, mode]
+    bwd_args = [*ins, cu, fin, None, do, dfin, scale, reverse, mode]
     out = torch.library.opcheck(custom_ops.bwd, bwd_args, test_utils=CHEAP)
     assert set(out.values()) == {"SUCCESS"}, out
     got = custom_ops.bwd(*bwd_args)
@@ -91,8 +91,8 @@ def test_triton_op_bodies_match_the_ops():
     ins = [t.get(n) for n in ARGS]
     want = custom_ops.fwd(*ins, cu, 0.5, reverse, "fused_recurrent")
     got = custom_ops.triton_fwd(*ins, cu, 0.5, reverse, "fused_recurrent")
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    bwd_args = [*ins, cu, want[1], want[0], want[1], 0.5, reverse, "fused_recurrent"]
+    assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, want))
+    bwd_args = [*ins, cu, want[1], None, want[0], want[1], 0.5, reverse, "fused_recurrent"]
     got, want = custom_ops.triton_bwd(*bwd_args), custom_ops.bwd(*bwd_args)
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
 

@@ -18,7 +18,7 @@ else:  # a torch built without distributed: nothing is a DTensor
     DTensor = ()
 
 ARGS = ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state", "cu_seqlens")
-TOKENS = ("q", "k", "v", "g", "gk", "gv", "do")
+TOKENS = ("q", "k", "v", "g", "gk", "gv", "do", "A")  # A: the op's kept buffer
 STATES = ("initial_state", "final_state", "dfinal_state")
 
 
@@ -53,7 +53,8 @@ def strategies_of(q):
 
 
 def register_fwd_sharding(op):
-    """Sharding strategies of gla_bridge::fwd (its arguments: ARGS, scale, reverse, mode)."""
+    """Sharding strategies of gla_bridge::fwd (its arguments: ARGS, scale, reverse, mode;
+    its outputs o, final_state and the kept buffer, token-shaped in every mode)."""
     from torch.distributed.tensor.experimental import register_sharding
 
     @register_sharding(op)
@@ -65,7 +66,8 @@ def register_fwd_sharding(op):
                 continue  # cu_seqlens means B = 1: nothing to split
             ins = [None if x is None else placement(n, x.ndim, strategy)
                    for n, x in zip(ARGS, tensors)]
-            outs = [placement("q", 4, strategy), placement("final_state", 4, strategy)]
+            outs = [placement("q", 4, strategy), placement("final_state", 4, strategy),
+                    placement("A", 4, strategy)]
             found.append((outs, ins + [None] * (len(args) - len(ARGS))))
         return found
 
