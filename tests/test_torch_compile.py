@@ -38,11 +38,13 @@ def _case(name, seed=None):
     return t, t.pop("cu_seqlens", None), SPECS[name].reverse, cot
 
 
-OPCHECK = [(c, m) for c in CASES for m in ("torch", "fused_recurrent")] + [("grouped", "chunk")]
+OPCHECK = [(c, m) for c in CASES for m in ("torch", "fused_recurrent")] + [
+    ("grouped", "chunk"), ("gk", "chunk")]
 # The interpreted chunk backward costs ~15 s a call here and opcheck's autograd tests call
 # it several times: chunk mode gets the schema and fake-tensor checks of the forward (the
 # backward's fake and autograd registration are shared by every mode, checked above; its
-# kernels by test_triton_chunk.py, through these ops).
+# kernels by test_triton_chunk.py, its reuse of the kept A by test_triton_chunk_bwd.py).
+# "grouped" (with g_gamma) keeps nothing, "gk" keeps A: the fake gives both shapes.
 CHEAP = ("test_schema", "test_faketensor")
 
 
@@ -69,6 +71,9 @@ def test_opcheck_and_oracle(name, mode):
     o_ref, fin_ref = oracle.recurrent(**np_ins, softmax_scale=scale, reverse=reverse,
                                       cu_seqlens=cu_np)
     assert rel_err(o, o_ref) < TOL and rel_err(fin, fin_ref) < TOL
+    B, T, H = ins[0].shape[:3]
+    keeps_a = mode == "chunk" and t.get("g_gamma") is None
+    assert kept.shape == ((B, T, H, 64) if keeps_a else (B, 0, H, 0)), kept.shape
     if mode == "chunk":
         return
 

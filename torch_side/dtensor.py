@@ -57,6 +57,8 @@ def register_fwd_sharding(op):
     its outputs o, final_state and the kept buffer, token-shaped in every mode)."""
     from torch.distributed.tensor.experimental import register_sharding
 
+    from . import torch_internals
+
     @register_sharding(op)
     def fwd_strategies(*args):
         tensors = args[:len(ARGS)]
@@ -70,6 +72,9 @@ def register_fwd_sharding(op):
                     placement("A", 4, strategy)]
             found.append((outs, ins + [None] * (len(args) - len(ARGS))))
         return found
+
+    # scale, reverse and mode (after ARGS) set the outputs' shapes and dtypes too
+    torch_internals.shard_cache_keyed_from(op, len(ARGS))
 
 
 def local_map(fn, like, named, outputs):

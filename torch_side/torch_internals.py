@@ -106,3 +106,22 @@ def triton_decomposition_disabled() -> bool:
     from torch.export._trace import custom_triton_ops_decomposition_disabled
 
     return custom_triton_ops_decomposition_disabled()
+
+
+def shard_cache_keyed_from(op, argnum: int):
+    """Key DTensor's sharding-propagation cache for OpOverload `op` on its non-DTensor
+    arguments from index `argnum` on too (the DTensor arguments' specs always count).
+
+    Why: register_sharding keys the cache on the DTensor arguments and int arguments
+    only; gla_bridge::fwd's mode (a str) is not one, so a call in one mode would reuse the
+    output shapes and dtypes propagated for another (the kept buffer, [B,0,H,0] or chunk's
+    A [B,T,H,BT]; the final state, float64 or float32): wrong global metadata on the
+    output DTensors. Upgrade: `DTensor._op_dispatcher.sharding_propagator.
+    op_to_schema_info` and `torch.distributed.tensor._op_schema.RuntimeSchemaInfo`
+    (register_sharding's own choice is `RuntimeSchemaInfo(first int arg,
+    needs_pytree=True)`); test_torch_distributed's mode-switching case catches a change."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.op_to_schema_info[op] = RuntimeSchemaInfo(argnum, needs_pytree=True)
