@@ -130,7 +130,7 @@ def forward(plan, mode, inputs, cu_seqlens):
     the torch path or the Triton launches on `inputs` (the arrays by name, as `_named`
     gives them) with their contract Plan (its scale and reverse are read, its `packed`
     is not). Returns (o, final_state, the kept buffer or None)."""
-    with torch_internals.no_autocast(inputs["q"].device.type):
+    with torch_internals.no_autocast(inputs["q"]):
         if mode == "torch":
             return (*recurrent_native(plan, **inputs, cu_seqlens=cu_seqlens), None)
         return triton_launch.forward(plan, mode, inputs, cu_seqlens)
@@ -175,7 +175,7 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tenso
     _check_mode(mode)
     inputs = _named(q, k, v, g, gk, gv, g_gamma, initial_state)
     plan = plan_of(**inputs, cu_seqlens=cu_seqlens, scale=scale, reverse=reverse)
-    with torch_internals.no_autocast(q.device.type):
+    with torch_internals.no_autocast(q):
         if mode == "torch":
             got = recurrent_native_backward(plan, inputs, cu_seqlens, do, dfinal_state)
         else:

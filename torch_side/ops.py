@@ -114,11 +114,13 @@ def _run(call, inputs, cu_seqlens, *, direct, context_group):
     final_state). The op's third output, the buffer its backward reuses, stays with
     autograd."""
     plan, kernel = call.plan, call.kernel
-    if direct:  # on the Plan checked above (a context slice has the same shapes)
-        local = lambda x, cu: custom_ops.forward(plan, kernel, x, cu)[:2]
-    else:
-        local = lambda x, cu: custom_ops.fwd(**x, cu_seqlens=cu, scale=plan.scale,
-                                             reverse=plan.reverse, mode=kernel)[:2]
+
+    def local(inputs, cu_seqlens):  # (o, final_state) of this rank's pass
+        if direct:  # on the Plan checked above (a context slice has the same shapes)
+            return custom_ops.forward(plan, kernel, inputs, cu_seqlens)[:2]
+        return custom_ops.fwd(**inputs, cu_seqlens=cu_seqlens, scale=plan.scale,
+                              reverse=plan.reverse, mode=kernel)[:2]
+
     if context_group is None:
         o, final_state = local(inputs, cu_seqlens)
     else:

@@ -11,6 +11,9 @@ torch 2.13).
 import contextlib
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+_NOTHING = contextlib.nullcontext()  # reentrant: one for every call
 
 
 def transform_active() -> bool:
@@ -40,19 +43,19 @@ def dispatch_mode_active() -> bool:
 
     Why: under such a mode the op must run through the dispatcher (the mode intercepts
     it), never the direct path. Upgrade: `torch.utils._python_dispatch.
-    _get_current_dispatch_mode` returns the innermost mode or None."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
+    _get_current_dispatch_mode` returns the innermost mode or None (imported at the top:
+    an import per call would cost more than the check)."""
     return _get_current_dispatch_mode() is not None
 
 
-def no_autocast(device_type: str):
-    """A context with autocast off on `device_type` when any autocast is on, else a no-op
-    (entering torch.autocast costs more than the check). The op accumulates in float32
-    itself: autocast must not downcast its internals."""
+def no_autocast(x):
+    """A context with autocast off on tensor x's device type when any autocast is on, else
+    a no-op (entering torch.autocast, even reading x's device, costs more than the check
+    on a decoding step). The op accumulates in float32 itself: autocast must not downcast
+    its internals."""
     if not autocast_active():
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, enabled=False)
+        return _NOTHING
+    return torch.autocast(x.device.type, enabled=False)
 
 
 def autocast_key(device_type: str) -> str:
