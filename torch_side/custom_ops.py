@@ -212,7 +212,7 @@ def _backward(ctx, do, dfinal_state, _dkept):
     *inputs, cu, final_state, kept = ctx.saved_tensors
     args = (*inputs, cu, final_state, kept, do, dfinal_state)
     if dtensor.is_dtensor(inputs[0]):  # each rank's shards, as the forward ran them
-        names = (*dtensor.ARGS, "final_state", "A", "do", "dfinal_state")
+        names = (*dtensor.ARGS, "final_state", "kept", "do", "dfinal_state")
         present = [(n, x) for n, x in zip(dtensor.ARGS, inputs) if x is not None]
         got = iter(dtensor.local_map(
             lambda *a: bwd(*a, ctx.scale, ctx.reverse, ctx.mode), inputs[0],

@@ -18,7 +18,7 @@ else:  # a torch built without distributed: nothing is a DTensor
     DTensor = ()
 
 ARGS = ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state", "cu_seqlens")
-TOKENS = ("q", "k", "v", "g", "gk", "gv", "do", "A")  # A: the op's kept buffer
+TOKENS = ("q", "k", "v", "g", "gk", "gv", "do", "kept")  # kept: the fwd op's [B,T,H,*] buffer
 STATES = ("initial_state", "final_state", "dfinal_state")
 
 
@@ -69,7 +69,7 @@ def register_fwd_sharding(op):
             ins = [None if x is None else placement(n, x.ndim, strategy)
                    for n, x in zip(ARGS, tensors)]
             outs = [placement("q", 4, strategy), placement("final_state", 4, strategy),
-                    placement("A", 4, strategy)]
+                    placement("kept", 4, strategy)]
             found.append((outs, ins + [None] * (len(args) - len(ARGS))))
         return found
 
