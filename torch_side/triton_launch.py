@@ -75,10 +75,10 @@ def backward(plan, mode, inputs, cu_seqlens, final_state, kept_buffer, do, dfina
         do = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=torch.float32, device=q.device)
     env = dict(inputs, cu_seqlens=cu_seqlens, final_state=final_state, do=do.contiguous(),
                dfinal_state=None if dfinal_state is None else dfinal_state.contiguous())
-    reused = ()
-    if kept_buffer is not None:
-        reused = (kept(plan, mode),)
-        env[reused[0]] = kept_buffer
+    name = None if kept_buffer is None else kept(plan, mode)
+    reused = () if name is None else (name,)
+    if name is not None:
+        env[name] = kept_buffer
     env = run(family(mode).backward_launches(plan, use_dht=dfinal_state is not None,
                                              kept=reused), env, wrap=wrap)
     got = grads.assemble(plan, env)
