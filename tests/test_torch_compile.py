@@ -89,15 +89,18 @@ def test_opcheck_and_oracle(name, mode):
     assert all(e < 1e-4 for e in errs.values()), errs
 
 
-def test_triton_op_bodies_match_the_ops():
+@pytest.mark.parametrize("name,mode", [("grouped", "fused_recurrent"), ("gk", "chunk")])
+def test_triton_op_bodies_match_the_ops(name, mode):
     """The CUDA decomposition's triton_ops (launches through wrap_triton), run eagerly on
-    CPU: the same results as gla_bridge::fwd / bwd. (Their compiled path needs a GPU.)"""
-    t, cu, reverse, _ = _case("grouped")
+    CPU: the same results as gla_bridge::fwd / bwd, chunk's kept A included (passed to
+    the backward as autograd does). (Their compiled path needs a GPU.)"""
+    t, cu, reverse, _ = _case(name)
     ins = [t.get(n) for n in ARGS]
-    want = custom_ops.fwd(*ins, cu, 0.5, reverse, "fused_recurrent")
-    got = custom_ops.triton_fwd(*ins, cu, 0.5, reverse, "fused_recurrent")
+    want = custom_ops.fwd(*ins, cu, 0.5, reverse, mode)
+    got = custom_ops.triton_fwd(*ins, cu, 0.5, reverse, mode)
     assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, want))
-    bwd_args = [*ins, cu, want[1], None, want[0], want[1], 0.5, reverse, "fused_recurrent"]
+    kept = want[2] if mode == "chunk" else None
+    bwd_args = [*ins, cu, want[1], kept, want[0], want[1], 0.5, reverse, mode]
     got, want = custom_ops.triton_bwd(*bwd_args), custom_ops.bwd(*bwd_args)
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
 
