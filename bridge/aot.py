@@ -31,10 +31,12 @@ import re
 import sys
 import time
 
+from .contract import ARGS, nbytes
+from .launch import resolve_dtype
+
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 _TL = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int32": "i32", "int64": "i64"}
-_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 # H100 SXM peaks (dense): the roofline of `lower_bound`.
@@ -71,18 +73,12 @@ def _variants():
 # ---------------------------------------------------------------- tensor dtypes
 
 def input_dtypes(plan, gamma_like_q: bool = False) -> dict:
-    """dtype of every tensor a caller hands in: q, k, v, the gates and do in the
-    plan's dtype; g_gamma (a per-head constant, float32 in Lightning), the states
-    and their gradients float32; cu_seqlens int32. The variant mode keeps its
-    historical g_gamma in q's dtype (`gamma_like_q`)."""
-    d = {n: plan.dtype for n in ("q", "k", "v", "g", "gk", "gv", "do")}
-    d.update(g_gamma=plan.dtype if gamma_like_q else "float32", initial_state="float32",
-             dfinal_state="float32", cu_seqlens="int32")
+    """dtype of every tensor a caller hands in (`Plan.tensor_dtype`). The variant
+    mode keeps its historical g_gamma in q's dtype (`gamma_like_q`)."""
+    d = {n: plan.tensor_dtype(n) for n in (*ARGS, "do", "dfinal_state")}
+    if gamma_like_q:
+        d["g_gamma"] = plan.dtype
     return d
-
-
-def _resolve(spec, env):
-    return env[spec[5:]] if spec.startswith("like:") else spec
 
 
 def tensor_dtypes(plan, launch_lists, gamma_like_q: bool = False) -> dict:
@@ -92,59 +88,20 @@ def tensor_dtypes(plan, launch_lists, gamma_like_q: bool = False) -> dict:
     env = input_dtypes(plan, gamma_like_q)
     for launches in launch_lists:
         for launch in launches:
-            for o in launch.outputs:
-                if o is not None:
-                    env[o.name] = _resolve(o.dtype, env)
+            for o in launch.writes():
+                env[o.name] = resolve_dtype(o.dtype, env.__getitem__)
     return env
-
-
-def _nbytes(shape, dtype) -> int:
-    n = _SIZE[dtype]
-    for s in shape:
-        n *= int(s)
-    return n
-
-
-def gradient_shapes(plan) -> dict:
-    """{input: (shape, dtype)} of the gradients the backward returns."""
-    B, T, H, Hk, K, V, N = plan.B, plan.T, plan.H, plan.Hk, plan.K, plan.V, plan.N
-    dt = input_dtypes(plan)
-    out = {"q": (B, T, H, K), "k": (B, T, Hk, K), "v": (B, T, Hk, V)}
-    if plan.g != "none":
-        out["g"] = (B, T, H, K) if plan.g == "key" else (B, T, H)
-    if plan.gk:
-        out["gk"] = (B, T, H, K)
-    if plan.gv:
-        out["gv"] = (B, T, H, V)
-    if plan.g_gamma != "none":
-        out["g_gamma"] = (H,) if plan.g_gamma == "head" else (N, H)
-    if plan.initial_state:
-        out["initial_state"] = (N, H, K, V)
-    return {n: (s, dt[n]) for n, s in out.items()}
 
 
 def workspace_bytes(plan, launches) -> int:
     """Device memory a backward launch list allocates beyond the gradients it
-    returns: the bytes of every Out buffer ('like:q' is the input dtype) minus
-    the bytes of the gradients of the inputs present in `plan`."""
-    env = input_dtypes(plan)
-    total = sum(_nbytes(o.shape, _resolve(o.dtype, env))
-                for launch in launches for o in launch.outputs if o is not None)
-    return total - sum(_nbytes(s, d) for s, d in gradient_shapes(plan).values())
+    returns: the bytes of every Out buffer minus the bytes of the gradients of
+    the inputs present in `plan` (`Plan.gradients`)."""
+    total = sum(o.nbytes(plan) for launch in launches for o in launch.writes())
+    return total - sum(nbytes(s, d) for s, d in plan.gradients().values())
 
 
 # ---------------------------------------------------------------- compiling
-
-def _arguments(launch):
-    """(param name, argument) for each runtime parameter: input names, scalar
-    values, then Outs, as the launchers pass them (constexprs by keyword)."""
-    params = [p for p in launch.kernel.arg_names if p not in launch.constexprs]
-    args = list(launch.inputs) + list(launch.scalars) + list(launch.outputs)
-    if len(params) != len(args):
-        raise TypeError(f"{launch.kernel.__name__}: {len(params)} runtime parameters, "
-                        f"launch gives {len(args)}")
-    return list(zip(params, args))
-
 
 def build_source(launch, dtypes: dict, hints: bool = True):
     """Triton's ASTSource for `launch`, specialised as a real launch is: pointers
@@ -155,16 +112,14 @@ def build_source(launch, dtypes: dict, hints: bool = True):
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
 
-    from .launch import Out
-
     fn = launch.kernel
     sig, constexprs, attrs = {}, dict(launch.constexprs), {}
     for p in fn.arg_names:
         if p in constexprs:
             sig[p] = "constexpr"
-    for p, a in _arguments(launch):
-        if a is None or isinstance(a, (str, Out)):
-            name = a.name if isinstance(a, Out) else (a or "q")
+    for p, kind, a in launch.arguments():
+        if kind != "scalar":
+            name = a.name if kind == "out" and a is not None else (a or "q")
             # torch allocations are 256-byte aligned: every pointer gets "D"
             ty, spec = "*" + _TL[dtypes[name]], "D"
         else:
@@ -282,16 +237,20 @@ def lower_bound(rec: dict) -> tuple:
 
 # ---------------------------------------------------------------- SASS
 
-def launch_params(launch) -> dict:
+def launch_params(launch, dtypes: dict = None) -> dict:
     """{parameter: value} of a launch for `bridge.tripcounts`: constexprs and
-    scalars as given, tensors UNKNOWN (absent ones too: the launchers pass a
-    real pointer for them)."""
-    from .launch import Out
-    from .tripcounts import UNKNOWN
+    scalars as given, tensors pointers of their dtype in `dtypes` ({name: dtype
+    name}, as `tensor_dtypes` gives; absent ones get q's, as the launchers pass
+    q), or UNKNOWN without `dtypes`."""
+    from .tripcounts import UNKNOWN, pointer
 
     params = dict(launch.constexprs)
-    for p, a in _arguments(launch):
-        params[p] = UNKNOWN if a is None or isinstance(a, (str, Out)) else a
+    for p, kind, a in launch.arguments():
+        if kind == "scalar":
+            params[p] = a
+        else:
+            name = a.name if kind == "out" and a is not None else (a or "q")
+            params[p] = pointer(dtypes[name]) if dtypes else UNKNOWN
     return params
 
 
@@ -455,7 +414,8 @@ def report(shape, dtype="bf16", mode="chunk", archs=(80, 90), gates="key", ptx_d
     if ptx_dir:
         os.makedirs(ptx_dir, exist_ok=True)
     launches, used = [], set()
-    trips = {id(launch): launch_trips(launch.kernel, launch.grid, launch_params(launch))
+    trips = {id(launch): launch_trips(launch.kernel, launch.grid,
+                                      launch_params(launch, dtypes))
              for _, ls in phases for launch in ls}
     for arch in archs:
         for phase, ls in phases:
@@ -657,7 +617,8 @@ def _variant_mode(args, arch):
                 # once, whichever plan or family asked for it first
                 key = (launch.kernel.__name__, repr(sorted(launch.constexprs.items())),
                        launch.num_warps, plan.dtype,
-                       tuple(dtypes[n] if n else plan.dtype for n in launch.inputs))
+                       tuple(dtypes[n] if n else plan.dtype
+                             for _, kind, n in launch.arguments() if kind == "in"))
                 if key in built:
                     continue
                 built.add(key)

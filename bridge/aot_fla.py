@@ -136,7 +136,7 @@ def compile_config(entry, cfg, arch=90) -> dict:
     from triton import knobs
 
     from . import aot
-    from .tripcounts import UNKNOWN
+    from .tripcounts import UNKNOWN, pointer
 
     fn = entry["fn"]
     kwargs = dict(entry["kwargs"])
@@ -160,7 +160,10 @@ def compile_config(entry, cfg, arch=90) -> dict:
     if use["regs"] is None:
         use = aot._ptxas_usage(k.asm["ptx"], arch)
     num_warps = k.metadata.num_warps
-    params = {n: (None if v is None else v if isinstance(v, (bool, int, float, str)) else UNKNOWN)
+    # tensors as pointers of their dtype, as bridge.aot passes ours
+    params = {n: (None if v is None else v if isinstance(v, (bool, int, float, str))
+                  else pointer(str(v.dtype).removeprefix("torch.")) if hasattr(v, "data_ptr")
+                  else UNKNOWN)
               for n, v in bound.items()}
     memo = (fn.__name__, tuple(grid), repr(sorted(params.items(), key=lambda kv: kv[0])))
     if memo not in _TRIPS:  # configs that differ in warps / stages only share trip counts

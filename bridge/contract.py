@@ -19,6 +19,7 @@ as traced ones do. `GLA_BRIDGE_HOST_CHECKS=1` in the environment, or the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import numbers
 import os
 from dataclasses import dataclass
@@ -27,6 +28,26 @@ import numpy as np
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 INT_DTYPES = ("int32", "int64", "int16", "int8", "uint8", "uint16", "uint32", "uint64")
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
+
+# The names of a call's arrays, for every layer (SPEC.md's argument names).
+INPUTS = ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state")  # differentiable, in
+# the launchers' order (the public signature's order differs: g_gamma before gk)
+ARGS = (*INPUTS, "cu_seqlens")  # the array arguments of the ops, in the launchers' order
+TOKENS = ("q", "k", "v", "g", "gk", "gv")  # the inputs with a time axis: [B,T,H,*]
+# every array of a call laid out [B,T,H,*] (packed: [total,H,*]): the inputs with a time
+# axis, the output o, its cotangent do, and the chunked forward's intra-chunk matrix A
+# [B,T,H,BT] (which autograd keeps for the backward, bridge.kernels.chunk.kept)
+PER_TOKEN = (*TOKENS, "o", "do", "A")
+PER_SEQUENCE = ("initial_state", "final_state", "dfinal_state")  # [N,H,K,V], one per sequence
+
+
+def nbytes(shape, dtype: str) -> int:
+    """Bytes of an array of `shape` and dtype name `dtype` ('float32', ...)."""
+    n = ITEMSIZE[dtype]
+    for s in shape:
+        n *= int(s)
+    return n
 
 
 @dataclass(frozen=True)
@@ -62,6 +83,85 @@ class Plan:
     def group(self) -> int:
         """Query heads per kv head."""
         return self.H // self.Hk
+
+    @classmethod
+    def of_batched(cls, arrays: dict, cu_seqlens=None, *, scale: float,
+                   reverse: bool) -> "Plan":
+        """The Plan of arguments already checked (`check`) and in the batched layout:
+        `arrays` the arrays of `INPUTS` by name (absent ones None or left out), q
+        [B,T,H,K]. Reads shapes and ndim only (any framework, traced or not); the gate
+        kinds follow from ndim (g [B,T,H] or [B,T,H,K], g_gamma [H] or [N,H]). `packed`
+        is False: the arrays are batched already."""
+        q, k, v = arrays["q"], arrays["k"], arrays["v"]
+        g, g_gamma = arrays.get("g"), arrays.get("g_gamma")
+        B, T, H, K = (int(s) for s in q.shape)
+        return cls(B=B, T=T, H=H, Hk=int(k.shape[2]), K=K, V=int(v.shape[3]),
+                   N=B if cu_seqlens is None else int(cu_seqlens.shape[0]) - 1,
+                   g="none" if g is None else "head" if len(g.shape) == 3 else "key",
+                   gk=arrays.get("gk") is not None, gv=arrays.get("gv") is not None,
+                   g_gamma="none" if g_gamma is None else "head" if len(g_gamma.shape) == 1
+                   else "seq", initial_state=arrays.get("initial_state") is not None,
+                   scale=scale, reverse=reverse, varlen=cu_seqlens is not None, packed=False,
+                   dtype=dtype_name(q))
+
+    def folded(self, n: int, gamma_per_sequence: bool = True) -> "Plan":
+        """The Plan of n such problems run as one (a vmapped axis of size n): folded
+        into the batch, [n, B, T, ...] -> [n*B, T, ...]; with cu_seqlens (B == 1) into
+        the packed tokens, [n, 1, T, ...] -> [1, n*T, ...] (n*N sequences either way).
+        A g_gamma [H] becomes one row per folded sequence [n*N, H] unless
+        `gamma_per_sequence` is False (one [H] shared by every problem)."""
+        size = dict(T=n * self.T) if self.varlen else dict(B=n * self.B)
+        gamma = "seq" if self.g_gamma != "none" and gamma_per_sequence else self.g_gamma
+        return dataclasses.replace(self, N=n * self.N, g_gamma=gamma, **size)
+
+    def inputs(self) -> tuple:
+        """The names of `INPUTS` this call was given, in that order."""
+        given = dict(g=self.g != "none", gk=self.gk, gv=self.gv,
+                     g_gamma=self.g_gamma != "none", initial_state=self.initial_state)
+        return tuple(n for n in INPUTS if given.get(n, True))
+
+    def shape(self, name: str) -> tuple:
+        """Shape of one of the call's tensors in the batched layout: an input (of
+        `INPUTS`, as given), cu_seqlens, the outputs o and final_state, or their
+        cotangents do and dfinal_state. An input's gradient has the input's shape."""
+        B, T, H, Hk, K, V, N = self.B, self.T, self.H, self.Hk, self.K, self.V, self.N
+        if name == "g":
+            return (B, T, H, K) if self.g == "key" else (B, T, H)
+        if name == "g_gamma":
+            return (H,) if self.g_gamma == "head" else (N, H)
+        shapes = {"q": (B, T, H, K), "k": (B, T, Hk, K), "v": (B, T, Hk, V),
+                  "gk": (B, T, H, K), "gv": (B, T, H, V), "cu_seqlens": (N + 1,),
+                  "o": (B, T, H, V), "do": (B, T, H, V)}
+        if name in PER_SEQUENCE:
+            return (N, H, K, V)
+        if name not in shapes:
+            raise ValueError(f"name: expected a tensor of the call ({', '.join(ARGS)}, o, "
+                             f"final_state, do, dfinal_state), got {name!r}")
+        return shapes[name]
+
+    def tensor_dtype(self, name: str) -> str:
+        """The dtype the launch plans assume for one of the call's tensors: q, k, v,
+        the gates, o and do in the plan's dtype; g_gamma (a per-head constant) and the
+        states float32; cu_seqlens int32."""
+        self.shape(name)  # an unknown name is an error
+        if name == "cu_seqlens":
+            return "int32"
+        if name == "g_gamma" or name in PER_SEQUENCE:
+            return "float32"
+        return self.dtype
+
+    def nbytes(self, name: str) -> int:
+        """Bytes of one of the call's tensors (`shape`, `tensor_dtype`)."""
+        return nbytes(self.shape(name), self.tensor_dtype(name))
+
+    def outputs(self) -> dict:
+        """{name: (shape, dtype)} of the forward's results, o and final_state."""
+        return {n: (self.shape(n), self.tensor_dtype(n)) for n in ("o", "final_state")}
+
+    def gradients(self) -> dict:
+        """{input: (shape, dtype)} of the gradients the backward returns: one per given
+        input, in its shape and dtype."""
+        return {n: (self.shape(n), self.tensor_dtype(n)) for n in self.inputs()}
 
 
 def dtype_name(x) -> str:

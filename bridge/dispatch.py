@@ -14,11 +14,9 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 from . import contract
-from .contract import Plan
-from .grads import INPUTS
+from .contract import INPUTS, TOKENS, Plan
 
 MODES = ("auto", "chunk", "fused_recurrent")
-TOKENS = ("q", "k", "v", "g", "gk", "gv")  # the inputs with a time axis
 
 
 class Call(NamedTuple):
@@ -33,7 +31,7 @@ class Call(NamedTuple):
 
 def prepare(inputs: dict, *, softmax_scale, reverse, cu_seqlens, platform, mode,
             platforms, fallback, gpu, tpu=False, memo=True) -> Call:
-    """Check the arguments (`inputs`: the arrays of `grads.INPUTS` by name, absent ones
+    """Check the arguments (`inputs`: the arrays of `contract.INPUTS` by name, absent ones
     None or left out; `memo` as `contract.check`), then resolve the platform and the
     kernel."""
     plan = contract.check(**inputs, softmax_scale=softmax_scale, reverse=reverse,
@@ -43,7 +41,7 @@ def prepare(inputs: dict, *, softmax_scale, reverse, cu_seqlens, platform, mode,
 
 
 def batched(plan: Plan, inputs: dict, new_axis: Callable) -> dict:
-    """{name: input} for every name of `grads.INPUTS` (absent ones None), packed token
+    """{name: input} for every name of `contract.INPUTS` (absent ones None), packed token
     inputs [total, H, *] given a leading axis by `new_axis` ([1, total, H, *])."""
     out = {}
     for name in INPUTS:

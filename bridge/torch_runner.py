@@ -53,7 +53,8 @@ def tuned(launch, do_bench=None):
 
 
 def run(launches, env: dict, autotune=None, do_bench=None, wrap=False) -> dict:
-    """Execute the launches in order; their outputs are added to `env` by name.
+    """Execute the launches in order, arguments passed in the kernel's parameter order
+    (`Launch.arguments`); their outputs are added to `env` by name.
     Absent inputs and outputs get `env['q']` as a dummy pointer (never touched:
     the kernel's flag for it is off). `autotune` defaults to CUDA tensors with
     GLA_BRIDGE_AUTOTUNE=1; `do_bench` replaces Triton's timer (tests)."""
@@ -78,22 +79,24 @@ def _run(launches, env, autotune, do_bench, wrap):
     if wrap:
         from torch.library import wrap_triton
     for launch in launches:
-        args = [dummy if name is None else env[name] for name in launch.inputs]
-        outs = []
-        for out in launch.outputs:
-            if out is None:
-                outs.append(dummy)
-                continue
-            dtype = resolve_dtype(out.dtype, env)
-            env[out.name] = torch.empty(out.shape, dtype=_DTYPES.get(dtype, dtype),
-                                        device=dummy.device)
-            outs.append(env[out.name])
+        args = []
+        for _, kind, value in launch.arguments():
+            if kind == "scalar":
+                args.append(value)
+            elif value is None:
+                args.append(dummy)
+            elif kind == "in":
+                args.append(env[value])
+            else:
+                dtype = resolve_dtype(value.dtype, env)
+                env[value.name] = torch.empty(value.shape, dtype=_DTYPES.get(dtype, dtype),
+                                              device=dummy.device)
+                args.append(env[value.name])
         if autotune:
             kernel = tuned(launch, do_bench)
-            (wrap_triton(kernel) if wrap else kernel)[launch.grid](
-                *args, *launch.scalars, *outs, **launch.constexprs)
+            (wrap_triton(kernel) if wrap else kernel)[launch.grid](*args, **launch.constexprs)
         else:
             kernel = wrap_triton(launch.kernel) if wrap else launch.kernel
-            kernel[launch.grid](*args, *launch.scalars, *outs, **launch.constexprs,
-                                num_warps=launch.num_warps, num_stages=launch.num_stages)
+            kernel[launch.grid](*args, **launch.constexprs, num_warps=launch.num_warps,
+                                num_stages=launch.num_stages)
     return env

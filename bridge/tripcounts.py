@@ -7,12 +7,14 @@ but a few scalar ones become `UNKNOWN`, which absorbs whatever is done with it.
 Run once per program id with the launch's constexprs and scalar arguments, the
 skeleton counts every `for` body execution (runtime `range`/`tl.range` loops and
 unrolled `tl.static_range` ones alike), keyed by (file name, line of the `for`),
-and the line of an early `return`. A loop whose bounds, or an `if` whose
+and the line of an early `return`. Tensors keep their dtype where it is known
+(`pointer(dtype)` arguments, loads through them, `.to`, `tl.zeros`/`full`/`dot`),
+so a branch on `x.dtype` is derived. A loop whose bounds, or an `if` whose
 condition, depends on a loaded value (e.g. cu_seqlens) is not derivable: it is
 listed in `unknown` (such a loop counts 0 iterations; such an `if` is taken as
 false). Nothing here imports a GPU driver.
 
-    counts = trip_counts(kernel, grid, params)   # params: {name: value}
+    counts = trip_counts(kernel, grid, params)   # params: {name: value or pointer(dtype)}
     counts.per_program      # {(file, line): body executions summed over programs}
     counts.programs, counts.early_exit, counts.unknown
 """
@@ -24,6 +26,8 @@ import os
 import textwrap
 from collections import Counter
 from dataclasses import dataclass, field
+
+import triton.language as _tl
 
 
 class Underivable(Exception):
@@ -70,6 +74,55 @@ for _n in ("add sub mul truediv floordiv mod pow lshift rshift and or xor matmul
            "lt le gt ge eq ne neg pos invert abs").split():
     setattr(_Unknown, f"__{_n}__", _absorb(f"__{_n}__"))
 _Unknown.__hash__ = object.__hash__
+
+
+class _Typed(_Unknown):
+    """A tensor or pointer of known dtype (`dtype`: a `tl.dtype`, `tl.pointer_type`
+    for a pointer): its values stay unknown, its dtype is read by dtype branches."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def __repr__(self):
+        return f"UNKNOWN[{self.dtype}]"
+
+
+def _typed_op(name):
+    def op(self, *other):
+        # pointer arithmetic keeps the pointer; tiles keep a dtype shared with the
+        # other operand (or a Python scalar's); anything else is untyped
+        o = other[0] if other else None
+        if isinstance(self.dtype, _tl.pointer_type) and name in ("__add__", "__radd__",
+                                                                "__sub__"):
+            return self
+        if o is None or isinstance(o, (bool, int, float)) or (
+                isinstance(o, _Typed) and o.dtype == self.dtype):
+            return self if not isinstance(self.dtype, _tl.pointer_type) else UNKNOWN
+        return UNKNOWN
+    op.__name__ = name
+    return op
+
+
+for _n in ("add sub mul truediv radd rsub rmul rtruediv neg").split():
+    setattr(_Typed, f"__{_n}__", _typed_op(f"__{_n}__"))
+_Typed.__hash__ = object.__hash__
+
+
+def pointer(dtype) -> _Typed:
+    """A tensor argument for `trip_counts`: a pointer to `dtype` (a `tl.dtype` or
+    its name: 'bfloat16' or 'bf16', 'float32' or 'fp32', ...)."""
+    if isinstance(dtype, str):
+        dtype = getattr(_tl, _LONG.get(dtype, dtype))
+    return _Typed(_tl.pointer_type(dtype))
+
+
+_LONG = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64",
+         "i32": "int32", "i64": "int64", "i8": "int8"}
+
+
+def _typed(dtype):
+    dtype = _unwrap(dtype)
+    return _Typed(dtype) if isinstance(dtype, _tl.dtype) else UNKNOWN
 
 
 def _known(*xs):
@@ -122,6 +175,23 @@ class _FakeTL:
     def range(*args, **_):
         return _range(*args)
 
+    @staticmethod
+    def load(ptr, *_, **__):
+        t = getattr(ptr, "dtype", None) if isinstance(ptr, _Typed) else None
+        return _Typed(t.element_ty) if isinstance(t, _tl.pointer_type) else UNKNOWN
+
+    @staticmethod
+    def zeros(shape, dtype=None):
+        return _typed(dtype)
+
+    @staticmethod
+    def full(shape, value, dtype=None):
+        return _typed(dtype)
+
+    @staticmethod
+    def dot(a, b, acc=None, *_, out_dtype=_tl.float32, **__):
+        return acc if isinstance(acc, _Typed) else _typed(out_dtype)
+
     static_range = range
 
     @staticmethod
@@ -129,7 +199,8 @@ class _FakeTL:
         return _unwrap(x)
 
     def __getattr__(self, name):
-        return UNKNOWN
+        real = getattr(_tl, name, None)
+        return real if isinstance(real, _tl.dtype) else UNKNOWN
 
 
 class _FakeTriton:
@@ -149,9 +220,10 @@ def _range(*args):
     return range(*args)
 
 
-def _to(x, *_, **__):
-    """`x.to(dtype)` on a scalar: the value itself (int32/int64 overflow ignored)."""
-    return x
+def _to(x, dtype=None, *_, **__):
+    """`x.to(dtype)`: on a scalar the value itself (int32/int64 overflow ignored),
+    on a tensor an unknown one of that dtype."""
+    return _typed(dtype) if isinstance(x, _Unknown) else x
 
 
 @dataclass
@@ -343,7 +415,8 @@ class _Rewrite(ast.NodeTransformer):
         self.generic_visit(node)
         f = node.func
         if isinstance(f, ast.Attribute) and f.attr == "to":
-            return self._call("__to", f.value)
+            return ast.Call(func=ast.Name(id="__to", ctx=ast.Load()),
+                            args=[f.value, *node.args], keywords=node.keywords)
         return node
 
 
@@ -413,6 +486,13 @@ class Skeleton:
     def _value(self, v, run, tl):
         import types
 
+        if type(v).__name__ == "ConstexprFunction":  # plain Python on constexprs
+            def constexpr_call(*a, **k):
+                try:
+                    return v.fn(*(_unwrap(x) for x in a), **{n: _unwrap(x) for n, x in k.items()})
+                except Exception:  # an argument the skeleton does not know
+                    return UNKNOWN
+            return constexpr_call
         if _is_jit(v):
             skel = self
 
@@ -436,7 +516,8 @@ class Skeleton:
 def trip_counts(kernel, grid, params: dict, max_programs: int = 1 << 20) -> TripCounts:
     """Run the skeleton of `kernel` (a JITFunction) once per program of `grid`;
     `params` maps every parameter name to its constexpr or scalar value (pass
-    None for an absent tensor, anything else for a tensor: it becomes UNKNOWN).
+    None for an absent tensor, `pointer(dtype)` for a tensor whose dtype the
+    kernel may branch on, anything else for a tensor: it becomes UNKNOWN).
     Programs that differ only along an axis the skeleton never reads (no
     `tl.program_id(axis)`) are run once and weighted."""
     grid = [int(g) for g in grid]
@@ -450,7 +531,8 @@ def trip_counts(kernel, grid, params: dict, max_programs: int = 1 << 20) -> Trip
     args = []
     for n in names:
         v = _unwrap(params.get(n, UNKNOWN))
-        args.append(v if isinstance(v, (bool, int, float, str)) or v is None else UNKNOWN)
+        args.append(v if isinstance(v, (bool, int, float, str, _Typed)) or v is None
+                    else UNKNOWN)
     read = _axes_read(kernel)
     axes = [range(g) if a in read else range(1) for a, g in enumerate(run.grid)]
     weight = 1

@@ -1,10 +1,11 @@
 """JAX ops and layers of gla-bridge: recurrent / gated linear attention (SPEC.md)."""
 
 from .layers import gla_apply, init_gla, init_lightning, lightning_apply
-from .ops import gla_attention, lightning_attn, recurrent, recurrent_gla
+from .ops import recurrent
+from .variants import gla_attention, lightning_attn, recurrent_gla
 from . import easydel  # EasyDeL's call: jax_side.easydel.recurrent_gla
 
-__all__ = ["recurrent", "recurrent_gla", "lightning_attn", "gla_attention",
+__all__ = ["recurrent", "recurrent_gla", "lightning_attn", "gla_attention", "easydel",
            "init_gla", "gla_apply", "init_lightning", "lightning_apply"]
 
 

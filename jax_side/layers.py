@@ -23,6 +23,7 @@ import numpy as np
 from bridge import variants
 from bridge.weights import LayerConfig, check_inputs, check_params, param_shapes
 from . import ops
+from .variants import lightning_attn, recurrent_gla
 
 
 def _init(rng, config: LayerConfig, kind: str, dtype=jnp.float32) -> dict:
@@ -100,9 +101,9 @@ def _apply(params, x, config, kind, attention_mask, cu_seqlens, state, use_cache
         gk = jnp.repeat(gk.reshape(*lead, Hk, K), H // Hk, axis=-2)  # head h <- kv h//G
         if mask is not None:
             gk = jnp.where(mask, gk, 0.0)
-        o, final_state = ops.recurrent_gla(q, k, v, g=gk, **opts)
+        o, final_state = recurrent_gla(q, k, v, g=gk, **opts)
     elif mask is None:
-        o, final_state = ops.lightning_attn(q, k, v, c.layer_idx, c.num_layers, **opts)
+        o, final_state = lightning_attn(q, k, v, c.layer_idx, c.num_layers, **opts)
     else:
         gamma = jnp.asarray(variants.lightning_g_gamma(H, c.layer_idx, c.num_layers))
         g = jnp.where(mask[..., 0], gamma, 0.0)  # [B,T,H]

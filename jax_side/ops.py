@@ -72,7 +72,7 @@ def recurrent(q=None, k=None, v=None, g=None, g_gamma=None, gk=None, gv=None,
 
 
 def _local_pass(plan, inputs, cu_seqlens, *, platform, kernel):
-    """One platform's call on `inputs` (the arrays of `bridge.grads.INPUTS` by name,
+    """One platform's call on `inputs` (the arrays of `bridge.contract.INPUTS` by name,
     batched layout, absent ones None): (o, final_state). Inside shard_map every input
     is first typed with the union of their varying mesh axes (check_vma), and the XLA
     path gets its zero initial state that way too."""
@@ -135,7 +135,3 @@ def forward_mode_message(plan, platform) -> str:
 
 
 recurrent.__doc__ = variants.RECURRENT_DOC
-
-
-recurrent_gla, lightning_attn, gla_attention = variants.named_variants(
-    recurrent, lambda a, like: jnp.asarray(a))

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import ManualAxisType, NamedSharding, PartitionSpec as P
 
-from bridge.grads import INPUTS
+from bridge.contract import ARGS, INPUTS, Plan
 
 
 def varying(*xs) -> frozenset:
@@ -99,9 +99,6 @@ _NO_CHECK = _no_check_primitive()
 # ---------------------------------------------------------------------------
 # Batch / head sharding under plain jax.jit: a custom_partitioning rule.
 
-ARGS = (*INPUTS, "cu_seqlens")
-
-
 def _dims(plan, name):
     """The sharding-rule factors of one argument (batched layout). Query heads are
     the compound (j g): j the kv head, g its group, so a head split keeps each kv
@@ -127,12 +124,12 @@ def _rule(plan, ins, outs):
     return rule, keep, sizes
 
 
-def _local_plan(plan, q, k):
-    """The plan of one device's shard (batch and head counts shrink)."""
-    import dataclasses
-
-    B, H, Hk = q.shape[0], q.shape[2], k.shape[2]
-    return dataclasses.replace(plan, B=B, H=H, Hk=Hk, N=plan.N if plan.varlen else B)
+def _local_plan(plan, ins, arrays):
+    """The plan of one device's shard (batch and head counts shrink): `arrays` those
+    named `ins` (then anything else, ignored)."""
+    named = dict(zip(ins, arrays))
+    return Plan.of_batched(named, named.get("cu_seqlens"), scale=plan.scale,
+                           reverse=plan.reverse)
 
 
 def _split(plan, mesh, spec_q):
@@ -176,7 +173,7 @@ def _partitioned(fn, plan, ins, outs):
 
     def partition(mesh, arg_shapes, result_shape):
         args, results = shardings(mesh, arg_shapes)
-        return mesh, lambda *a: fn(_local_plan(plan, a[0], a[1]), *a), results, args
+        return mesh, lambda *a: fn(_local_plan(plan, ins, a), *a), results, args
 
     def infer(mesh, arg_shapes, result_shape):
         return shardings(mesh, arg_shapes)[1]
@@ -209,7 +206,7 @@ def partitions(platform, backend) -> bool:
 def batch_head_sharded(local, plan, inputs, cu_seqlens):
     """local(plan, inputs, cu_seqlens) -> (o, final) with a partitioning rule: inputs
     sharded over batch (not varlen) and heads stay where they are, each device computes
-    its shard, outputs keep that sharding. `inputs`: the arrays of `bridge.grads.INPUTS`
+    its shard, outputs keep that sharding. `inputs`: the arrays of `bridge.contract.INPUTS`
     by name (absent ones None), batched layout. The backward is a second partitioned
     call that recomputes the forward (jax.vjp of `local`)."""
     import dataclasses

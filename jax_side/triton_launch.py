@@ -8,7 +8,6 @@ DLPack (`bridge.torch_runner`).
 `jax.vmap` the mapped axis folds into the batch: one launch for all elements.
 """
 
-import dataclasses
 import functools
 import os
 
@@ -17,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bridge import grads
+from bridge.contract import INPUTS, PER_SEQUENCE, PER_TOKEN
 from bridge.kernels import family
 from bridge.launch import resolve_dtype
 
@@ -64,19 +64,27 @@ def _run_gpu(launches, env, want):
     dummy = env["q"]
     new_api = _jt_api() >= (0, 4)
     for launch in launches:
-        args = [dummy if n is None else env[n] for n in launch.inputs]
-        # Triton's own launcher (the torch side) types a Python float as fp32.
-        # jax-triton 0.3 types it as fp64 (so pass np.float32); 0.4 as fp32 and
-        # deprecates np.float32. Either way both frameworks run one variant.
-        scalars = [np.float32(s) if isinstance(s, float) and not new_api else s
-                   for s in launch.scalars]
+        # jax-triton takes the inputs and scalars positionally, in the kernel's order,
+        # and the outputs' specs apart (they follow them: Launch checks it)
+        args, outputs = [], []
+        for _, kind, value in launch.arguments():
+            if kind == "out":
+                outputs.append(value)
+            elif kind == "scalar":
+                # Triton's own launcher (the torch side) types a Python float as fp32.
+                # jax-triton 0.3 types it as fp64 (so pass np.float32); 0.4 as fp32 and
+                # deprecates np.float32. Either way both frameworks run one variant.
+                args.append(np.float32(value) if isinstance(value, float) and not new_api
+                            else value)
+            else:
+                args.append(dummy if value is None else env[value])
         shapes = [jax.ShapeDtypeStruct((1,), jnp.float32) if o is None else _spec(o, env)
-                  for o in launch.outputs]
+                  for o in outputs]
         out_kw = {"out_type" if new_api else "out_shape": shapes}
-        outs = jt.triton_call(*args, *scalars, kernel=launch.kernel, grid=launch.grid,
+        outs = jt.triton_call(*args, kernel=launch.kernel, grid=launch.grid,
                               num_warps=launch.num_warps, num_stages=launch.num_stages,
                               **out_kw, **launch.constexprs)
-        for o, x in zip(launch.outputs, outs):
+        for o, x in zip(outputs, outs):
             if o is not None:
                 env[o.name] = x
     return {n: env[n] for n in want}
@@ -96,7 +104,7 @@ def _to_host(t):
 @_varying_results
 def _run_cpu(launches, env, want):
     names = [n for n, x in env.items() if x is not None]
-    specs = {o.name: _spec(o, env) for launch in launches for o in launch.outputs if o}
+    specs = {o.name: _spec(o, env) for launch in launches for o in launch.writes()}
 
     def callback(*arrays):
         import torch
@@ -137,15 +145,15 @@ def _execute(plan, mode, stage, env):
     inputs left out). fwd -> {o, final_state, kept buffers}; bwd -> {input name:
     gradient}."""
     kept = _kept(plan, mode)
-    env = {n: env.get(n) for n in (*grads.INPUTS, "cu_seqlens", "final_state", "do",
+    env = {n: env.get(n) for n in (*INPUTS, "cu_seqlens", "final_state", "do",
                                    "dfinal_state", *kept)}
     kernels = family(mode)
     if stage == "fwd":
         return run(kernels.forward_launches(plan), env, ("o", "final_state", *kept))
     launches = kernels.backward_launches(plan, use_dht=True, kept=kept)
-    made = {o.name for launch in launches for o in launch.outputs if o}
+    made = {o.name for launch in launches for o in launch.writes()}
     got = grads.assemble(plan, run(launches, env, [n for n in grads.BUFFERS if n in made]))
-    return {n: got[n].astype(env[n].dtype) for n in grads.INPUTS if env[n] is not None}
+    return {n: got[n].astype(env[n].dtype) for n in INPUTS if env[n] is not None}
 
 
 @functools.lru_cache(maxsize=None)
@@ -168,13 +176,9 @@ def _batchable(plan, mode, stage):
     return execute
 
 
-TOKENS = ("q", "k", "v", "g", "gk", "gv", "do", "A")  # [B, T, H, *]
-PER_SEQUENCE = ("initial_state", "final_state", "dfinal_state")  # [N, H, K, V]
-
-
 def fold(plan, n, batched, env):
-    """(plan, env) for the n mapped problems as one: [n, B, ...] -> [n*B, ...]
-    (packed: [n, 1, T, ...] -> [1, n*T, ...], cu_seqlens shifted and joined);
+    """(plan, env) for the n mapped problems as one (`Plan.folded`): [n, B, ...] ->
+    [n*B, ...] (packed: [n, 1, T, ...] -> [1, n*T, ...], cu_seqlens shifted and joined);
     g_gamma always in its per-sequence [N, H] form."""
     def mapped(name):
         x = env[name]
@@ -182,7 +186,7 @@ def fold(plan, n, batched, env):
 
     out = {}
     for name in env:
-        if name in TOKENS:
+        if name in PER_TOKEN:
             x = mapped(name)
             out[name] = (x.reshape(1, n * plan.T, *x.shape[3:]) if plan.varlen
                          else x.reshape(n * plan.B, *x.shape[2:]))
@@ -199,19 +203,14 @@ def fold(plan, n, batched, env):
         starts = cu[:, :-1] + (jnp.arange(n, dtype=cu.dtype) * plan.T)[:, None]
         out["cu_seqlens"] = jnp.concatenate([starts.reshape(-1),
                                              jnp.full((1,), n * plan.T, cu.dtype)])
-        folded = dataclasses.replace(plan, T=n * plan.T, N=n * plan.N)
-    else:
-        folded = dataclasses.replace(plan, B=n * plan.B, N=n * plan.N)
-    if plan.g_gamma != "none":
-        folded = dataclasses.replace(folded, g_gamma="seq")
-    return folded, out
+    return plan.folded(n), out
 
 
 def unfold(plan, n, out):
     """Split results of the folded problem back along the mapped axis."""
     res = {}
     for name, x in out.items():
-        if name in ("o", *TOKENS):
+        if name in PER_TOKEN:
             res[name] = (x.reshape(n, 1, plan.T, *x.shape[2:]) if plan.varlen
                          else x.reshape(n, plan.B, *x.shape[1:]))
         elif name == "g_gamma":
@@ -225,7 +224,7 @@ def unfold(plan, n, out):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def triton_kernels(plan, mode, inputs, cu_seqlens):
     """The kernels of `mode` ("chunk" or "fused_recurrent") on `inputs`, the arrays of
-    `bridge.grads.INPUTS` by name (batched layout, absent ones None): (o [B,T,H,V] in
+    `bridge.contract.INPUTS` by name (batched layout, absent ones None): (o [B,T,H,V] in
     q's dtype, final_state [N,H,K,V] fp32). Differentiable in every floating input."""
     return _forward(plan, mode, inputs, cu_seqlens)[0]
 

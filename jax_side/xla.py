@@ -9,20 +9,23 @@ reference points (a segment midpoint, a block or chunk boundary), so every
 exponent is a sum of gates that is <= 0 for gates <= 0 (strong gates cannot
 overflow) and no long running sums are subtracted (scan-level precision).
 The in-chunk part for key-dim gates without gv (the GLA case), in float32,
-has a hand-written backward (xla_intra.py: about 1.5x faster than autodiff of
-the tree); everything else, and float64 (forward-mode checks), is JAX
-autodiff of `all_chunks`.
+has a hand-written backward (xla_intra.py: faster than autodiff of the tree);
+everything else, and float64 (forward-mode checks), is JAX autodiff of
+`all_chunks`.
 
 Where the derivative is a custom VJP anyway (key-dim gates without gv, no cu_seqlens),
 `Slabs` runs instead: a scan over slabs of chunks straight from the token layout into
 the output, the in-chunk weights of a forward one matmul against the chunk start where
 its decays allow (xla_intra.block_p). Its memory is the output plus one slab;
 differentiated, it also keeps each slab's entering state, and the backward recomputes
-the slabs in reverse (fwd+bwd temporaries: about 0.1x of differentiating `all_chunks`
-at T=4096).
+the slabs in reverse (fwd+bwd temporaries: a small fraction of differentiating
+`all_chunks`). Tuning knobs: XlaConfig, passed down from recurrent_xla; the measurements
+that set them are in BENCHMARKS.md ("Tuning history of the CPU paths").
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -34,12 +37,23 @@ from .sharding import vary, varying
 from .xla_decay import SUB, level, local, rowdot, spans
 from .xla_intra import forward_p, key_intra, tree_p
 
-# The forward-only scan (`streamed`): its chunk (at most the caller's chunk_size; 32 ran
-# ~10% faster than 64 here: half the in-chunk FLOPs per token) and tokens per scan step
-STREAM_CHUNK = 32
-SLAB_TOKENS = 256
-BWD_CHUNK = 32  # the backward's chunk (it recomputes each slab)
-STEP_T = 4  # at most this many tokens a row (decoding) run step by step, without chunks
+
+
+@dataclass(frozen=True)
+class XlaConfig:
+    """The slab scan's knobs (`Slabs`) and the decoding threshold. stream_chunk: the slab
+    scan's chunk (at most the caller's chunk_size; smaller chunks halve the in-chunk FLOPs
+    per token); slab_tokens: tokens per scan step; bwd_chunk: the backward's chunk (it
+    recomputes each slab; used where it tiles the slab); stepwise_tokens: at most this many
+    tokens a row (decoding) run step by step, without chunks."""
+
+    stream_chunk: int = 32
+    slab_tokens: int = 256
+    bwd_chunk: int = 32
+    stepwise_tokens: int = 4
+
+
+DEFAULT = XlaConfig()
 
 
 def _scalar_intra(q, k, v, alpha, beta, tau):
@@ -112,21 +126,21 @@ def _intra(q, k, v, a, b):
 
 
 def recurrent_xla(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial_state=None,
-                  cu_seqlens=None, chunk_size=64):
+                  cu_seqlens=None, chunk_size=64, config: XlaConfig = DEFAULT):
     """SPEC.md's recurrence, chunked, in jax.numpy / lax.
 
     plan: `bridge.contract.check`'s Plan. q [B,T,H,K], k [B,T,Hk,K],
     v [B,T,Hk,V], g [B,T,H] or [B,T,H,K], gk [B,T,H,K], gv [B,T,H,V],
     g_gamma [H] or [N,H], initial_state [N,H,K,V], cu_seqlens [N+1] (B == 1,
-    may be traced). Returns o [B,T,H,V] in q's dtype and final_state
-    [N,H,K,V] float32 (float64 for float64 inputs).
+    may be traced). config: the tuning knobs (XlaConfig). Returns o [B,T,H,V] in
+    q's dtype and final_state [N,H,K,V] float32 (float64 for float64 inputs).
     """
     if chunk_size < SUB or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size: expected a power of two >= {SUB}, got {chunk_size}")
-    if not plan.varlen and 0 < plan.T <= STEP_T:
+    if not plan.varlen and 0 < plan.T <= config.stepwise_tokens:
         return stepwise(plan, q, k, v, g, gk, gv, g_gamma, initial_state)
     if not plan.varlen and has_custom_vjp(plan):
-        return _slabbed(plan, (q, k, v, g, gk, gv, g_gamma, initial_state), chunk_size)
+        return _slabbed(plan, (q, k, v, g, gk, gv, g_gamma, initial_state), chunk_size, config)
     return all_chunks(plan, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, chunk_size)
 
 
@@ -161,14 +175,14 @@ def stepwise(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial_stat
     return jnp.stack(o, 1).astype(plan.dtype), S
 
 
-def _slabbed(plan, inputs, C):
+def _slabbed(plan, inputs, C, config):
     """recurrent_xla for key-dim gates without gv (no cu_seqlens), differentiable with
     bounded memory: the value from the slab scan (`Slabs.forward`), which keeps only
     each slab's entering state [S, B, H, K, V] for the backward; the backward
     (`Slabs.backward`) walks the slabs in reverse and recomputes each slab's terms there,
     so its temporaries are one slab's, not the whole sequence's."""
     q, k, v, g, gk, _, g_gamma, initial_state = inputs
-    geo = Slabs(plan, C)
+    geo = Slabs(plan, C, config)
     h0, seqs, gam = geo.inputs(q, k, v, g, gk, g_gamma, initial_state)
 
     @jax.custom_vjp
@@ -184,32 +198,31 @@ def _slabbed(plan, inputs, C):
 
 
 def streamed(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, initial_state=None,
-             chunk_size=64, slab=None):
+             chunk_size=64, config: XlaConfig = DEFAULT):
     """The forward alone (no cu_seqlens, no gv) as the slab scan of `Slabs` (autodiff of
     it would keep every slab's terms: recurrent_xla differentiates `_slabbed`). Same
-    arguments and results as `recurrent_xla`; `slab`: chunks a scan step (default
-    SLAB_TOKENS tokens)."""
-    geo = Slabs(plan, chunk_size, slab)
+    arguments and results as `recurrent_xla`."""
+    geo = Slabs(plan, chunk_size, config)
     return geo.unpad(*geo.forward(*geo.inputs(q, k, v, g, gk, g_gamma, initial_state))[:2])
 
 
 class Slabs:
     """The slab scan (no cu_seqlens; key-side gates, no gv): `n` chunks of C tokens
-    (C = min(chunk_size, STREAM_CHUNK)) of every row and head per `lax.scan` step, read
+    (C = min(chunk_size, config.stream_chunk)) of every row and head per `lax.scan` step, read
     straight from the (padded) token layout [B, S*W, h, D] and written into the output
     in place. Besides the output and the state, only one slab's temporaries are live,
     and each step's ops are large enough that XLA's per-op cost stays small."""
 
-    def __init__(self, plan, chunk_size, slab=None):
+    def __init__(self, plan, chunk_size, config: XlaConfig = DEFAULT):
         self.plan = plan
         self.ct = jnp.float64 if plan.dtype == "float64" else jnp.float32
-        self.C = C = min(chunk_size, STREAM_CHUNK)
-        n = slab or max(1, SLAB_TOKENS // C)
+        self.C = C = min(chunk_size, config.stream_chunk)
+        n = max(1, config.slab_tokens // C)
         self.n = n = min(n, max(1, -(-plan.T // C)))
         self.W = W = n * C  # tokens a step
         self.S = max(1, -(-plan.T // W))
         # the backward's chunks: larger ones where they tile the slab
-        cb = min(chunk_size, BWD_CHUNK)
+        cb = min(chunk_size, config.bwd_chunk)
         self.Cb = cb if W % cb == 0 else C
 
     def inputs(self, q, k, v, g, gk, g_gamma, initial_state):

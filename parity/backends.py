@@ -11,7 +11,7 @@ import importlib.util
 
 import numpy as np
 
-from bridge.grads import INPUTS as GRAD_NAMES
+from bridge.contract import INPUTS as GRAD_NAMES
 
 from . import cases
 from .cases import ACTIVATIONS

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from bridge.grads import INPUTS  # the differentiable inputs, in the launchers' order
+from bridge.contract import INPUTS  # the differentiable inputs, in the launchers' order
 
 ACTIVATIONS = ("q", "k", "v", "do")  # given in the tested dtype; gates and states stay fp32
 COTANGENTS = ("do", "dfinal_state")

@@ -41,7 +41,8 @@ def _rank(rank, world, init_file, body, args):
     finally:
         dist.destroy_process_group()
     # done: leave without interpreter finalization, where torch 2.13's gloo threads
-    # sometimes abort ("terminate called without an active exception"; README.md)
+    # sometimes abort ("terminate called without an active exception"; bridge/SPEC.md, "Context
+    # parallelism over torch.distributed")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -12,7 +12,7 @@ if importlib.util.find_spec("triton") and importlib.util.find_spec("torch"):
 # Hypothesis profiles for tests/test_properties.py: "ci" (the default) is
 # derandomized and bounded so the whole suite stays within CI's time;
 # HYPOTHESIS_PROFILE=deep draws 50x the examples from fresh random seeds
-# (before a release: README.md, "Hardening").
+# (before a release: bridge/SPEC.md, "Property tests (hypothesis)").
 if importlib.util.find_spec("hypothesis"):
     from hypothesis import HealthCheck, settings
 

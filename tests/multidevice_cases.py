@@ -2,7 +2,7 @@
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/multidevice_cases.py [GROUP ...]
 
-prints one JSON line per check: {"name", "err" (max relative error against the
+prints one JSON line per check: {"name", "err" (parity.compare.rel_err against the
 reference), "tol", ...}; the test asserts on them. Each check compares with an
 independent result: the float64 oracle (parity/oracle.py) and the same call on one
 device. GROUP: "vma" (shard_map with check_vma=True, batch/head sharding),
@@ -27,20 +27,16 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_side  # noqa: E402
+from bridge.contract import TOKENS  # noqa: E402
 from parity import cases, oracle  # noqa: E402
+from parity.compare import rel_err  # noqa: E402
 from parity.bench.multidevice import collective_bytes  # noqa: E402
 
 NAMES = cases.INPUTS
-TOKENS = ("q", "k", "v", "g", "gk", "gv")
 
 
 def report(name, err, tol, **extra):
     print(json.dumps(dict(name=name, err=float(err), tol=tol, **extra)), flush=True)
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-6))
 
 
 def problem(seed, case):
@@ -67,10 +63,10 @@ def loss_fn(call, names):
 
 def check_all(tag, got_o, got_fin, got_grads, want, tol):
     o, fin, grads = want
-    report(f"{tag} o", rel(got_o, o), tol)
-    report(f"{tag} final_state", rel(got_fin, fin), tol)
+    report(f"{tag} o", rel_err(got_o, o), tol)
+    report(f"{tag} final_state", rel_err(got_fin, fin), tol)
     for n, gr in got_grads.items():
-        report(f"{tag} d{n}", rel(gr, grads[n]), tol)
+        report(f"{tag} d{n}", rel_err(gr, grads[n]), tol)
 
 
 C = cases.Case
@@ -113,8 +109,8 @@ def context_check(platform, devices, case):
     single = lambda **a: jax_side.recurrent(**a, **extra, reverse=reverse,  # noqa: E731
                                             platform=platform)
     o1, fin1 = single(**dict(zip(names, arrays)))
-    report(f"{tag} o vs 1 device", rel(o, o1), 2e-5)
-    report(f"{tag} final_state vs 1 device", rel(fin, fin1), 2e-5)
+    report(f"{tag} o vs 1 device", rel_err(o, o1), 2e-5)
+    report(f"{tag} final_state vs 1 device", rel_err(fin, fin1), 2e-5)
 
 
 def sharded_problem(mesh, x, specs):
@@ -213,12 +209,12 @@ def layer_check(devices):
     cp = jax.shard_map(partial(jax_side.gla_apply, config=cfg, platform="xla", context_axis="cp"),
                        mesh=mesh, in_specs=(P(), P(None, "cp")), out_specs=P(None, "cp"))
     loss = lambda f: (lambda p, x: jnp.sum(jnp.sin(f(p, x))))  # noqa: E731
-    report(f"layer gla_apply P={devices} o vs 1 device", rel(jax.jit(cp)(params, xs),
+    report(f"layer gla_apply P={devices} o vs 1 device", rel_err(jax.jit(cp)(params, xs),
                                                               one(params, xs)), 2e-5)
     g1 = jax.grad(loss(one))(params, xs)
     g2 = jax.jit(jax.grad(loss(cp)))(params, xs)
     report(f"layer gla_apply P={devices} parameter grads vs 1 device",
-           max(rel(g2[n], g1[n]) for n in g1), 2e-5)
+           max(rel_err(g2[n], g1[n]) for n in g1), 2e-5)
 
 
 def tpu_export_check():
@@ -250,12 +246,12 @@ def transforms_check():
     batched = jax.jit(jax.vmap(grad))(q, g)
     loop = [jax.jit(grad)(q[i], g[i]) for i in range(3)]  # one compile
     report("jit transforms vmap(grad) vs loop",
-           max(rel(batched[j][i], loop[i][j]) for i in range(3) for j in range(2)), 1e-5)
+           max(rel_err(batched[j][i], loop[i][j]) for i in range(3) for j in range(2)), 1e-5)
     dq = jnp.asarray(r.standard_normal(q[0].shape), jnp.float32)
     _, tangent = jax.jit(lambda x, t: jax.jvp(lambda y: f(y, g[0]), (x,), (t,)))(q[0], dq)
     eps, fj = 1e-3, jax.jit(f)
     fd = (fj(q[0] + eps * dq, g[0]) - fj(q[0] - eps * dq, g[0])) / (2 * eps)
-    report("jit transforms jvp vs finite differences", rel(tangent, fd), 1e-2)
+    report("jit transforms jvp vs finite differences", rel_err(tangent, fd), 1e-2)
 
 
 def empty_check():
@@ -268,7 +264,7 @@ def empty_check():
                                                        platform="xla", context_axis="cp"),
                       mesh=mesh, in_specs=(P("cp"), P()), out_specs=(P("cp"), P()))
     o, fin = jax.jit(f)(q, h0)
-    report("context empty: final state == initial state", rel(fin, h0) + o.size, 0.0)
+    report("context empty: final state == initial state", rel_err(fin, h0) + o.size, 0.0)
 
 
 def readme_check():

@@ -251,9 +251,16 @@ def test_workspace_bytes_by_hand():
     from bridge.launch import Launch, Out
 
     plan = aot.report_plan((1, 32, 2, 16, 8), "bf16", gates="head")
-    launches = [Launch(None, (1,), (), (), (Out("a", (1, 32, 2, 16)),      # fp32
-                                           Out("dq", (1, 32, 2, 16), "like:q"), None)),
-                Launch(None, (1,), (), (), (Out("b", (4,), "float32"),))]
+    def three(x, y, z):
+        pass
+
+    def one(x):
+        pass
+
+    three.arg_names, one.arg_names = ("x", "y", "z"), ("x",)
+    launches = [Launch(three, (1,), {}, {}, dict(x=Out("a", (1, 32, 2, 16)),      # fp32
+                                               y=Out("dq", (1, 32, 2, 16), "like:q"), z=None)),
+                Launch(one, (1,), {}, {}, dict(x=Out("b", (4,), "float32")))]
     outs = 32 * 2 * 16 * 4 + 32 * 2 * 16 * 2 + 16
     grads = (32 * 2 * 16 * 2) * 2 + 32 * 2 * 8 * 2 + 32 * 2 * 2  # q, k, v, g [B,T,H]
     assert aot.workspace_bytes(plan, launches) == outs - grads
@@ -279,7 +286,7 @@ def toy(a, b, c, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, IEEE: tl.con
 out = {}
 for dtype in ("bfloat16", "float16"):
     for ieee in (False, True):
-        launch = Launch(toy, (1,), ("q", "k"), (), (Out("c", (64, 64)),),
+        launch = Launch(toy, (1,), dict(a="q", b="k"), {}, dict(c=Out("c", (64, 64))),
                         dict(M=64, N=64, K=64, IEEE=ieee), num_warps=4)
         for arch in (80, 90):
             k = aot._compile(launch, dict(q=dtype, k=dtype, c="float32"), arch)
@@ -358,7 +365,7 @@ from bridge.launch import Launch, Out
 from loops_toy import loop_toy, small_toy
 
 def analyze(kernel, grid, scalars, M, W):
-    launch = Launch(kernel, grid, ("q",), scalars, (Out("y", (grid[0], M)),), dict(M=M),
+    launch = Launch(kernel, grid, dict(x="q"), scalars, dict(y=Out("y", (grid[0], M))), dict(M=M),
                     num_warps=W)
     k = aot._compile(launch, dict(q="float32", y="float32"), 90)
     tc = tripcounts.trip_counts(kernel, grid, aot.launch_params(launch))
@@ -366,8 +373,8 @@ def analyze(kernel, grid, scalars, M, W):
     return dict(sass.analyze(k.asm["cubin"], k.asm["ptx"], tc, W).as_dict(),
                 blind=blind.as_dict())
 
-print(json.dumps(dict(big=analyze(loop_toy, (12,), (37, 10, 3), 1024, 4),
-                      small=analyze(small_toy, (3,), (37,), 128, 4))))
+print(json.dumps(dict(big=analyze(loop_toy, (12,), dict(N=37, ACTIVE=10, R=3), 1024, 4),
+                      small=analyze(small_toy, (3,), dict(N=37), 128, 4))))
 '''
 
 
@@ -495,6 +502,51 @@ def test_trip_counts_by_hand(tmp_path, monkeypatch):
     # an axis the kernel never reads is run once and weighted
     wide = tripcounts.trip_counts(skeleton_toy.helper, (7, 3), dict(n=5))
     assert (wide.evaluated, wide.per_program[key(9)]) == (1, 5 * 21)
+
+
+_DTYPED = """
+import triton
+import triton.language as tl
+
+
+@triton.constexpr_function
+def pieces(op, gate):
+    return 1 if gate == op else 3
+
+
+@triton.jit
+def dtype_toy(x, y, L: tl.constexpr):
+    b = tl.load(x + tl.arange(0, 16))
+    ONE: tl.constexpr = (b.dtype != tl.float32) & (y.dtype.element_ty == b.dtype)
+    for i in range(0, 1 if ONE else L):
+        tl.store(y + i, b.to(tl.float32))
+    for j in tl.static_range(pieces(x.dtype.element_ty, tl.bfloat16)):
+        tl.store(y + j, b)
+"""
+
+
+def test_trip_counts_follow_dtypes(tmp_path, monkeypatch):
+    """A loop whose bound depends on a loaded tile's dtype or a constexpr function of
+    pointer dtypes is counted from `tripcounts.pointer` arguments, and listed as
+    not derivable when the tensors are left UNKNOWN."""
+    from bridge import tripcounts
+
+    (tmp_path / "dtype_toy.py").write_text(_DTYPED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import dtype_toy
+
+    key = lambda line: ("dtype_toy.py", line)  # noqa: E731
+    P = tripcounts.pointer
+    counts = {}
+    for x, y in (("bf16", "bfloat16"), ("float32", "float32"), ("bf16", "fp32")):
+        tc = tripcounts.trip_counts(dtype_toy.dtype_toy, (3,), dict(x=P(x), y=P(y), L=5))
+        assert not tc.unknown
+        counts[x, y] = (tc.mean(key(15)), tc.mean(key(17)))
+    assert counts == {("bf16", "bfloat16"): (1, 1), ("float32", "float32"): (5, 3),
+                      ("bf16", "fp32"): (5, 1)}
+    blind = tripcounts.trip_counts(dtype_toy.dtype_toy, (3,),
+                                   dict(x=tripcounts.UNKNOWN, y=tripcounts.UNKNOWN, L=5))
+    assert blind.unknown[key(15)] == 3
 
 
 def test_targets_and_readiness_section(bf16_report):

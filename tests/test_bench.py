@@ -73,6 +73,15 @@ def test_quick_end_to_end(tmp_path):
     main(["--render", str(tmp_path / "results.json"), "--out", str(tmp_path),
           "--md", str(tmp_path / "again.md")])
     assert (tmp_path / "again.md").read_text() == md
+    # what no bench command measures survives a rewrite: parity.train's section, the tuning history
+    kept = tmp_path / "kept.md"
+    kept.write_text("# old\n\n## Training parity\n\nsteps\n\n"
+                    "## Tuning history of the CPU paths\n\nknobs\n")
+    main(["--render", str(tmp_path / "results.json"), "--out", str(tmp_path), "--md", str(kept)])
+    text = kept.read_text()
+    assert "| T | torch-native |" in text and "# old" not in text
+    assert text.endswith("## Training parity\n\nsteps\n\n## Tuning history of the CPU paths\n\n"
+                         "knobs\n")
 
 
 # ------------------------------------------------------------------ the check

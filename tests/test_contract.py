@@ -83,7 +83,7 @@ def test_shape_errors(xp, name, over):
     assert "expected" in msg and "got" in msg
 
 
-@pytest.mark.parametrize("name", ["q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state"])
+@pytest.mark.parametrize("name", contract.INPUTS)
 def test_non_floating_input(xp, name):
     shapes = dict(q=(B, T, H, K), k=(B, T, HK, K), v=(B, T, HK, V), g=(B, T, H, K),
                   gk=(B, T, H, K), gv=(B, T, H, V), g_gamma=(H,), initial_state=(B, H, K, V))

@@ -1,4 +1,4 @@
-"""The compiled kernels on a CUDA GPU (the GPU kit's correctness step: README, "On a GPU").
+"""The compiled kernels on a CUDA GPU (the GPU kit's correctness step: bridge/SPEC.md, "On a GPU").
 
 Every test here launches the kernels compiled for the device, from PyTorch and
 from JAX (jax-triton), and compares them with the float64 oracle (run on the

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from bridge import contract, dispatch
-from bridge.grads import INPUTS
+from bridge.contract import INPUTS
 from parity import oracle
 
 torch = pytest.importorskip("torch")

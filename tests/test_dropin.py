@@ -4,10 +4,13 @@ EasyDeL's `recurrent_gla`, run as written against ours (JAX, and PyTorch through
 conversion), checked against the float64 oracle and, where ejkernel is installed (the
 bench extra), against ejkernel's own functions. Where ejkernel's own example fails, the
 test asserts that it does and that ours computes the oracle's numbers. Then ejkernel's
-keyword names (query/key/value), its platform names, and EasyDeL's call conventions."""
+keyword names (query/key/value), its platform names, and EasyDeL's call conventions;
+last, the variants as functions: one signature on both sides, docstrings whose examples run."""
 
+import doctest
 import functools
 import importlib.util
+import inspect
 import os
 import types
 
@@ -537,3 +540,43 @@ def test_easydel_conventions(fw):
     for kwargs, exc, name in bad:
         with pytest.raises(exc, match=f"^{name}:"):
             f(*map(to, (q, k, v, gk)), **kwargs)
+
+
+# ---- the variants as functions of their own, the same on both sides
+
+TWINS = {name: (getattr(torch_side, name), getattr(jax_side, name)) for name in FNS[1:]}
+TWINS["easydel"] = (torch_side.easydel.recurrent_gla, jax_side.easydel.recurrent_gla)
+SHAPES_NAMED = {"easydel": ("[B,S,H,D]", "o [B,S,H,V]", "final_state [B,H,D,V]")}
+
+
+@pytest.mark.parametrize("name", list(TWINS))
+def test_variant_is_a_function_with_its_twins_signature(name):
+    """Each PyTorch variant is a function defined under its own name, with its JAX twin's
+    parameters (names, order, kinds, defaults; EasyDeL's `dtype` defaults to each
+    framework's float32), and a docstring naming the shapes it takes and returns."""
+    ours_torch, ours_jax = TWINS[name]
+    want_name = "recurrent_gla" if name == "easydel" else name
+    for fn in (ours_torch, ours_jax):
+        assert fn.__qualname__ == want_name, fn.__qualname__  # not a factory's closure
+        for shape in SHAPES_NAMED.get(name, ("q [B,T,H,K]", "v [B,T,Hk,V]", "o [B,T,H,V]",
+                                             "[N,H,K,V]")):
+            assert shape in fn.__doc__, (fn.__module__, shape)
+    torch_params = inspect.signature(ours_torch).parameters
+    jax_params = inspect.signature(ours_jax).parameters
+    if name == "easydel":
+        assert torch_params["dtype"].default is torch.float32
+        assert jnp.dtype(jax_params["dtype"].default) == jnp.float32
+        torch_params, jax_params = ({n: p for n, p in ps.items() if n != "dtype"}
+                                    for ps in (torch_params, jax_params))
+        assert list(inspect.signature(ours_torch).parameters).index("dtype") == \
+            list(inspect.signature(ours_jax).parameters).index("dtype")
+    assert list(torch_params.values()) == list(jax_params.values())
+
+
+@pytest.mark.parametrize("module", ["torch_side.variants", "jax_side.variants",
+                                    "torch_side.easydel", "jax_side.easydel"])
+def test_variant_docstring_examples_run(module):
+    """Every example in the variants' docstrings runs and prints what it says."""
+    mod = importlib.import_module(module)
+    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0, result

@@ -221,9 +221,10 @@ def test_gpu_launch_speaks_both_jax_triton_apis(monkeypatch, version):
     (args, kernel, grid, kw), = calls
     launch = launches[0]
     assert kernel is launch.kernel and grid == launch.grid
-    n_in = len(launch.inputs)
-    scalars = args[n_in:]
-    assert all(isinstance(x, jax.Array) for x in args[:n_in])
+    kinds = [kind for _, kind, _ in launch.arguments() if kind != "out"]
+    assert len(args) == len(kinds)  # the outputs go by their specs
+    scalars = [x for x, kind in zip(args, kinds) if kind == "scalar"]
+    assert all(isinstance(x, jax.Array) for x, kind in zip(args, kinds) if kind == "in")
     floats = [s for s in scalars if isinstance(s, (float, np.floating))]
     assert floats, "the launch passes the scale as a float scalar"
     want = float if version.startswith("0.4") else np.float32

@@ -274,12 +274,13 @@ def test_streamed_forward_slabs_match_oracle(reverse, scale):
     """The forward without a backward (xla.streamed): several scan steps of two 16-token
     chunks, a partial last slab, GQA, per-sequence g_gamma and an initial state; strong
     gates (in-chunk log decays past xla_intra.LIMIT) take the tree instead of block_p."""
-    from jax_side.xla import streamed
+    from jax_side.xla import XlaConfig, streamed
 
     case = Case(B=2, T=75, H=4, Hk=2, g="key", gk=True, g_gamma="seq", initial_state=True,
                 gate_scale=scale, reverse=reverse)
     arrays = extreme(case, slice(10, 30)) if scale > 1 else None
-    assert_close(errors(case, fn=streamed, grads=False, arrays=arrays, chunk_size=16, slab=2),
+    assert_close(errors(case, fn=streamed, grads=False, arrays=arrays, chunk_size=16,
+                        config=XlaConfig(slab_tokens=2 * 16)),
                  tol=FP32_TOL)
 
 
@@ -310,7 +311,7 @@ def test_decode_steps_match_oracle(T, reverse):
     assert_matches(case, grads=False)  # the value without gradients
 
 
-SLABBED = {  # name: (case, chunk_size, BWD_CHUNK, tol)
+SLABBED = {  # name: (case, chunk_size, the backward's chunk, tol)
     "key-h0": (BATCH.with_(g="key", initial_state=True), 16, 32, FP32_TOL),
     "rev-gqa-gamma": (BATCH.with_(H=4, Hk=2, g="head", gk=True, g_gamma="seq",
                                   initial_state=True, reverse=True), 32, 32, FP32_TOL),
@@ -322,23 +323,23 @@ SLABBED = {  # name: (case, chunk_size, BWD_CHUNK, tol)
 
 
 @pytest.mark.parametrize("name", list(SLABBED))
-def test_slabbed_backward_crosses_slabs(monkeypatch, name):
+def test_slabbed_backward_crosses_slabs(name):
     """Key-dim gates without gv or cu_seqlens, differentiated: the slab scan keeps only each
     slab's entering state and the backward recomputes the slabs in reverse (xla.Slabs).
     Slabs of two forward chunks, so T=150 spans several, the last one partial; the
-    backward in chunks of BWD_CHUNK (32 and 64 tokens: other chunks than the forward's).
+    backward in chunks of bwd_chunk (32 and 64 tokens: other chunks than the forward's).
     Value and every gradient against the float64 oracle."""
     from jax_side import xla
 
     case, chunk, bwd_chunk, tol = SLABBED[name]
     case = case.with_(T=150)
-    monkeypatch.setattr(xla, "SLAB_TOKENS", 2 * min(chunk, xla.STREAM_CHUNK))
-    monkeypatch.setattr(xla, "BWD_CHUNK", bwd_chunk)
+    config = xla.XlaConfig(slab_tokens=2 * min(chunk, xla.DEFAULT.stream_chunk),
+                           bwd_chunk=bwd_chunk)
     # strong: a run of extreme decays across a slab boundary
     arrays = extreme(case, slice(40, 60)) if case.gate_scale > 1 else cases.inputs(case)
-    geo = xla.Slabs(check(**cases.call_kwargs(case, arrays)), chunk)
+    geo = xla.Slabs(check(**cases.call_kwargs(case, arrays)), chunk, config)
     assert geo.S >= 3 and geo.S * geo.W != 150 and geo.Cb == min(chunk, bwd_chunk)
-    assert_matches(case, tol, arrays=arrays, chunk_size=chunk)
+    assert_matches(case, tol, arrays=arrays, chunk_size=chunk, config=config)
 
 
 def test_fwd_bwd_memory_is_bounded():

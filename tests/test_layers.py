@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from bridge.weights import LayerConfig, load_into_torch, param_shapes, params_from_torch
 from jax_side.layers import gla_apply, init_gla, init_lightning, lightning_apply
 from parity import oracle
+from parity.compare import rel_err
 from torch_side.layers import GatedLinearAttention, LightningAttention
 
 jax.config.update("jax_enable_x64", False)
@@ -26,11 +27,6 @@ GLA = LayerConfig(hidden_size=16, num_heads=2, num_kv_heads=1, expand_k=1.0, exp
                   gate_low_rank_dim=4, gate_logit_normalizer=4.0)
 LIGHT = LayerConfig(hidden_size=16, num_heads=2, kind="lightning", layer_idx=1, num_layers=3)
 B, T = 2, 8
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
 
 
 def make_torch(config, seed=0, **kw):

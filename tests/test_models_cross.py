@@ -70,7 +70,7 @@ def test_torch_checkpoint_gives_the_same_logits_in_jax_and_back(name, tmp_path):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_fla_checkpoint_gives_fla_logits_in_jax_and_jax_checkpoint_loads_into_fla(
-        name, fla_model, tmp_path):
+        name, fla_model, tmp_path):  # noqa: F811 (the fixture imported above)
     FlaConfig, FlaModel = fla_model
     torch.manual_seed(1)
     fla = FlaModel(FlaConfig(**SMALL, **CONFIGS[name])).float().eval()

@@ -5,9 +5,8 @@ central finite differences for every gradient, the identities SPEC.md implies
 import numpy as np
 import pytest
 
+from bridge.contract import INPUTS, TOKENS  # the inputs; those with a time axis
 from parity import cases, oracle
-
-TIME_INPUTS = ("q", "k", "v", "g", "gk", "gv")  # inputs with a time axis
 
 
 def make_inputs(seed=0, **fields):
@@ -64,7 +63,7 @@ FD_EXTRA = {"gqa-key-gates": dict(softmax_scale=0.7), "head-gate-reverse": dict(
 def test_gradients_match_finite_differences(config):
     kw, do, dfs = make_inputs(seed=1, **FD_CONFIGS[config])
     kw.update(FD_EXTRA[config])
-    given = [n for n in ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state") if n in kw]
+    given = [n for n in INPUTS if n in kw]
     zero_do, zero_dfs = np.zeros_like(do), np.zeros_like(dfs)
     paths = {"o only": (do, None), "final_state only": (zero_do, dfs), "both": (do, dfs)}
     got = {p: oracle.recurrent_grads(**kw, do=a, dfinal_state=b) for p, (a, b) in paths.items()}
@@ -79,7 +78,7 @@ def test_gradients_match_finite_differences(config):
 
 
 def slice_time(kw, sl, axis):
-    return {n: (x[(slice(None),) * axis + (sl,)] if n in TIME_INPUTS else x)
+    return {n: (x[(slice(None),) * axis + (sl,)] if n in TOKENS else x)
             for n, x in kw.items()}
 
 
@@ -89,7 +88,7 @@ def test_varlen_equals_separate_calls(reverse):
     kw, _, _ = make_inputs(seed=2, H=2, Hk=1, seqlens=seqlens, packed=True, g="key", gv=True,
                            g_gamma="seq", initial_state=True)
     o, s = oracle.recurrent(**kw, reverse=reverse)
-    batched = {n: (x[None] if n in TIME_INPUTS else x) for n, x in kw.items()}
+    batched = {n: (x[None] if n in TOKENS else x) for n, x in kw.items()}
     o_b, s_b = oracle.recurrent(**batched, reverse=reverse)
     assert o.shape == kw["q"].shape[:-1] + (4,) and o_b.shape == (1,) + o.shape
     np.testing.assert_array_equal(o_b[0], o)
@@ -126,13 +125,13 @@ def test_reverse_equals_flipping_time():
     kw, do, _ = make_inputs(seed=4, g="key", gk=True, gv=True, g_gamma="head",
                             initial_state=True)
     o, s = oracle.recurrent(**kw, reverse=True)
-    flipped = {n: (x[:, ::-1] if n in TIME_INPUTS else x) for n, x in kw.items()}
+    flipped = {n: (x[:, ::-1] if n in TOKENS else x) for n, x in kw.items()}
     o_f, s_f = oracle.recurrent(**flipped)
     np.testing.assert_allclose(o, o_f[:, ::-1], rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(s, s_f, rtol=1e-12, atol=1e-12)
     g_r = oracle.recurrent_grads(**kw, reverse=True, do=do)
     g_f = oracle.recurrent_grads(**flipped, do=do[:, ::-1])
-    for n in ("q", "k", "v", "g", "gk", "gv"):
+    for n in TOKENS:
         np.testing.assert_allclose(g_r[n], g_f[n][:, ::-1], rtol=1e-12, atol=1e-12)
 
 

@@ -1,4 +1,5 @@
-"""The README's Python examples run as written, and its test command is what CI runs."""
+"""The Python examples of README.md and bridge/SPEC.md run as written, and the README's
+test command is what CI runs."""
 
 import os
 import pathlib
@@ -9,36 +10,61 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).parents[1]
+DOCS = ("README.md", "bridge/SPEC.md")
 README = (ROOT / "README.md").read_text()
-ALL_BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+
+
+def python_blocks(text):
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+ALL_BLOCKS = [(doc, i, b) for doc in DOCS
+              for i, b in enumerate(python_blocks((ROOT / doc).read_text()))]
 # scripts for several processes (their first line names the torchrun command) run below;
-# "# many devices" blocks need 8 host devices: tests/test_jax_multidevice.py runs them
-TORCHRUN = [b for b in ALL_BLOCKS if b.startswith("# ") and "torchrun" in b.splitlines()[0]]
-BLOCKS = [b for b in ALL_BLOCKS if b not in TORCHRUN and not b.startswith("# many devices")]
+# "# many devices" blocks need 8 host devices: tests/test_jax_multidevice.py runs the
+# README's (tests/multidevice_cases.py reads them there)
+TORCHRUN = [x for x in ALL_BLOCKS if x[2].startswith("# ") and "torchrun" in x[2].splitlines()[0]]
+MANY_DEVICES = [x for x in ALL_BLOCKS if x[2].startswith("# many devices")]
+BLOCKS = [x for x in ALL_BLOCKS if x not in TORCHRUN and x not in MANY_DEVICES]
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_python_example_runs(index):
-    pytest.importorskip("torch" if "torch_side" in BLOCKS[index] else "jax")
-    exec(compile(BLOCKS[index], f"README.md python block {index}", "exec"), {})
+def _name(x):
+    return f"{x[0]} python block {x[1]}"
+
+
+def test_the_examples_are_found():
+    assert len(python_blocks(README)) >= 3 and BLOCKS and TORCHRUN
+    # tests/multidevice_cases.py runs only the README's many-device blocks
+    assert all(doc == "README.md" for doc, _, _ in MANY_DEVICES)
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=_name)
+def test_python_example_runs(block):
+    code = block[2]
+    if "torch" in code:
+        pytest.importorskip("torch")
+    if "jax" in code:
+        pytest.importorskip("jax")
+    exec(compile(code, _name(block), "exec"), {})
 
 
 def test_ci_runs_the_readme_test_command():
-    ci = (pathlib.Path(__file__).parents[1] / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
     assert "<!-- ci:test -->" in README and "<!-- ci:test -->" in ci
     after = README.split("<!-- ci:test -->", 1)[1]
     command = re.search(r"```bash\n(.*?)\n```", after, flags=re.S).group(1)
     assert command.startswith("python3 -m venv") and "pytest" in command
 
 
-@pytest.mark.parametrize("index", range(len(TORCHRUN)))
-def test_torchrun_example_runs(index, tmp_path):
+@pytest.mark.parametrize("block", TORCHRUN, ids=_name)
+def test_torchrun_example_runs(block, tmp_path):
     """The block runs as its first line says: torchrun with 2 processes (gloo, CPU)."""
     pytest.importorskip("torch")
-    first = TORCHRUN[index].splitlines()[0]
+    code = block[2]
+    first = code.splitlines()[0]
     nproc = int(re.search(r"--nproc-per-node (\d+)", first).group(1))
     script = tmp_path / re.search(r"(\S+\.py)$", first).group(1)
-    script.write_text(TORCHRUN[index])
+    script.write_text(code)
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -46,6 +72,7 @@ def test_torchrun_example_runs(index, tmp_path):
                          capture_output=True, text=True, timeout=300)
     log = run.stdout[-3000:] + run.stderr[-5000:]
     # every rank got to its last line; a failing exit code is accepted only as the abort
-    # gloo sometimes gives at interpreter exit after the work is done (README.md)
+    # gloo sometimes gives at interpreter exit after the work is done (bridge/SPEC.md,
+    # "Context parallelism over torch.distributed")
     assert all(f"rank {r}: done" in run.stdout for r in range(nproc)), log
     assert run.returncode == 0 or "terminate called without an active exception" in log, log

@@ -12,8 +12,7 @@ from parity import cases
 from parity.compare import rel_err
 from parity.bench.timing import peak_memory_bytes
 from parity.oracle import recurrent, recurrent_grads
-from torch_side import native
-from torch_side.native import recurrent_native
+from torch_side.native import NativeConfig, recurrent_native
 
 def make(seed=0, B=2, T=37, H=2, Hk=None, K=8, V=6, g=None, gk=False, gv=False, g_gamma=None,
          initial_state=False, seqlens=None, gate=(-1.0, 0.0), dtype=torch.float64):
@@ -154,13 +153,12 @@ def test_chunk_size_must_be_a_power_of_two():
 
 
 @pytest.mark.parametrize("limit", [0.0, 1.0, 4.0, 48.0])
-def test_narrow_blocks(monkeypatch, limit):
-    """A small LIMIT forces narrower in-block widths (down to 1) and more levels; 48 (key
-    gates ~ -1 a token here) blocks wider than a TRI-piece but narrower than the chunk
-    (32 of 64: one level)."""
-    monkeypatch.setattr(native, "LIMIT", limit)
+def test_narrow_blocks(limit):
+    """A small log_decay_limit forces narrower in-block widths (down to 1) and more levels;
+    48 (key gates ~ -1 a token here) blocks wider than a triangle-piece but narrower than
+    the chunk (32 of 64: one level)."""
     kw, cu = make(seed=12, T=100, g="key", gv=True, g_gamma="head", initial_state=True)
-    check_all(kw, cu, reverse=limit == 1.0)
+    check_all(kw, cu, reverse=limit == 1.0, config=NativeConfig(log_decay_limit=limit))
 
 
 def test_scale_and_noncontiguous_inputs():
@@ -248,8 +246,8 @@ def test_low_precision(dtype, tol):
 # --- autograd.gradcheck -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", ["batched", "varlen-reverse"])
-def test_gradcheck(monkeypatch, case):
-    monkeypatch.setattr(native, "LIMIT", 0.5)  # narrow blocks: levels inside small chunks
+def test_gradcheck(case):
+    narrow = NativeConfig(log_decay_limit=0.5)  # narrow blocks: levels inside small chunks
     if case == "batched":
         kw, cu = make(seed=19, B=2, T=11, H=2, Hk=1, K=3, V=2, g="head", gk=True, gv=True,
                       g_gamma="head", initial_state=True)
@@ -265,7 +263,8 @@ def test_gradcheck(monkeypatch, case):
         d = dict(zip(names, xs))
         return recurrent_native(plan, d["q"], d["k"], d["v"], g=d.get("g"), gk=d.get("gk"),
                                 gv=d.get("gv"), g_gamma=d.get("g_gamma"),
-                                initial_state=d.get("initial_state"), cu_seqlens=cu, chunk_size=8)
+                                initial_state=d.get("initial_state"), cu_seqlens=cu, chunk_size=8,
+                                config=narrow)
 
     assert torch.autograd.gradcheck(fn, [kw[n] for n in names], eps=1e-6, atol=1e-7, rtol=1e-5)
 
@@ -295,10 +294,11 @@ def test_saved_memory_is_the_inputs():
 # --- the forward without autograd (slabs of chunk steps) ---------------------------------------
 
 @pytest.mark.parametrize("case", ["batched", "varlen-reverse"])
-def test_streamed_forward_matches_oracle(monkeypatch, case):
-    """Without autograd the forward runs a few chunk steps at a time (_streamed); SLAB
-    shrunk so every slab holds one or two steps, sequences end inside and between slabs."""
-    monkeypatch.setattr(native, "SLAB", 2 * 2 * 8 * 8)  # one or two slots of [H, C=8, D]
+def test_streamed_forward_matches_oracle(case):
+    """Without autograd the forward runs a few chunk steps at a time (_streamed_forward);
+    slabs shrunk so every slab holds one or two steps, sequences end inside and between
+    slabs."""
+    tiny = NativeConfig(slab_elements=2 * 2 * 8 * 8)  # one or two slots of [H, C=8, D]
     if case == "batched":
         kw, cu = make(seed=30, B=3, T=29, H=2, Hk=1, K=5, V=4, g="head", gk=True, gv=True,
                       g_gamma="head", initial_state=True)
@@ -308,19 +308,18 @@ def test_streamed_forward_matches_oracle(monkeypatch, case):
                       g_gamma="seq", initial_state=True)
         reverse = True
     with torch.no_grad():
-        o, s = native_call(kw, cu, reverse, chunk_size=8)
+        o, s = native_call(kw, cu, reverse, chunk_size=8, config=tiny)
     wo, ws = oracle_call(kw, cu, reverse)
     assert not o.requires_grad
     assert rel(o, wo) < 1e-12 and rel(s, ws) < 1e-12
 
 
-def tiny_slabs(monkeypatch, kw, C, slots=1):
-    """Shrink SLAB (and BACK) so that each slab, forward and backward, holds `slots`
-    slots of [H, C, max(K, V)] (at least one chunk step): many slab boundaries."""
+def tiny_slabs(kw, C, slots=1):
+    """A config whose slabs, forward and backward, hold `slots` slots of [H, C, max(K, V)]
+    (at least one chunk step): many slab boundaries."""
     H, K, V = kw["q"].shape[2], kw["q"].shape[3], kw["v"].shape[3]
-    monkeypatch.setattr(native, "SLAB", slots * H * C * max(K, V))
-    monkeypatch.setattr(native, "SHARE", 1)
-    monkeypatch.setattr(native, "BACK", 1)
+    return NativeConfig(slab_elements=slots * H * C * max(K, V), slab_output_share=1,
+                        backward_slab_scale=1)
 
 
 SLABBED = {
@@ -336,20 +335,20 @@ SLABBED = {
 
 
 @pytest.mark.parametrize("case", list(SLABBED))
-def test_slabbed_backward_matches_oracle(monkeypatch, case):
+def test_slabbed_backward_matches_oracle(case):
     """The backward walks slabs of one chunk step (or two slots) in reverse, each recomputed
     from its entering state and handing the state gradient on: outputs and every gradient
     match the oracle with many slab boundaries, varlen sequences straddling them."""
     extra, reverse, tol = SLABBED[case]
     kw, cu = make(seed=34 + list(SLABBED).index(case), **extra)
-    tiny_slabs(monkeypatch, kw, 8, slots=2)
-    check_all(kw, cu, reverse, tol=tol, chunk_size=8)
+    tiny = tiny_slabs(kw, 8, slots=2)
+    check_all(kw, cu, reverse, tol=tol, chunk_size=8, config=tiny)
     if kw["q"].dtype != torch.float64:
         return
     # and against central finite differences along one random direction of every input
     gen = torch.Generator().manual_seed(42)
     step = {n: torch.randn(x.shape, generator=gen, dtype=x.dtype) for n, x in kw.items()}
-    loss = lambda x: sum(y.sum() for y in native_call(x, cu, reverse, chunk_size=8))
+    loss = lambda x: sum(y.sum() for y in native_call(x, cu, reverse, chunk_size=8, config=tiny))
     grads = torch.autograd.grad(loss(kw), list(kw.values()))
     with torch.no_grad():
         at = lambda e: loss({n: x + e * step[n] for n, x in kw.items()})
@@ -358,38 +357,47 @@ def test_slabbed_backward_matches_oracle(monkeypatch, case):
     assert abs(float(fd - exact)) < 1e-6 * max(1.0, abs(float(exact))), (float(fd), float(exact))
 
 
-def test_custom_op_backward_matches_oracle(monkeypatch):
-    """torch_side.recurrent(platform="torch"): the gla_bridge::bwd op's slab-by-slab backward
-    (recurrent_native_backward), with gradients from o alone, the final state alone, both."""
+def test_custom_op_backward_matches_oracle():
+    """torch_side.recurrent(platform="torch"): the gla_bridge::bwd op's backward
+    (recurrent_native_backward), and recurrent_native_backward itself in tiny slabs, with
+    gradients from o alone, the final state alone, both."""
     import torch_side
+    from torch_side.native import recurrent_native_backward
 
     kw, cu = make(seed=40, seqlens=(90, 0, 40, 130), H=2, K=4, V=3, g="head", gk=True,
                   gv=True, g_gamma="seq", initial_state=True)
-    tiny_slabs(monkeypatch, kw, 64)
+    tiny = tiny_slabs(kw, 64)
     names = [n for n in cases.INPUTS if n in kw]
     gen = torch.Generator().manual_seed(41)
     for use in ("o", "state", "both"):
-        o, s = torch_side.recurrent(**kw, cu_seqlens=cu, reverse=use == "both", platform="torch")
+        reverse = use == "both"
+        o, s = torch_side.recurrent(**kw, cu_seqlens=cu, reverse=reverse, platform="torch")
         do = torch.randn(o.shape, generator=gen, dtype=torch.float64) * (use != "state")
         ds = torch.randn(s.shape, generator=gen, dtype=torch.float64) * (use != "o")
-        _, _, want = oracle_call(kw, cu, use == "both", do.numpy(), ds.numpy())
+        _, _, want = oracle_call(kw, cu, reverse, do.numpy(), ds.numpy())
         loss = (o * do).sum() if use == "o" else (s * ds).sum() if use == "state" else \
             (o * do).sum() + (s * ds).sum()
         grads = torch.autograd.grad(loss, [kw[n] for n in names])
         for n, gr in zip(names, grads):
             assert rel(gr, want[n]) < 1e-10, (use, n, rel(gr, want[n]))
+        plan = check(**kw, reverse=reverse, cu_seqlens=cu)
+        arrays = {n: kw[n].detach() if n in kw else None for n in cases.INPUTS}
+        got = recurrent_native_backward(plan, arrays, cu, None if use == "state" else do,
+                                        None if use == "o" else ds, config=tiny)
+        assert sorted(got) == sorted(names)
+        for n in names:
+            assert rel(got[n], want[n]) < 1e-10, ("tiny slabs", use, n, rel(got[n], want[n]))
 
 
-def test_streamed_memory_is_output_plus_a_slab(monkeypatch):
+def test_streamed_memory_is_output_plus_a_slab():
     """With or without autograd the forward holds the output, the final state and one
     slab's workspace; the backward the gradients, the slab-entering states and one slab's
     workspace (the whole-sequence backward held ~20 arrays of an input's size)."""
-    monkeypatch.setattr(native, "SLAB", 1 << 14)  # 4 slots of [H=2, C=64, D=32]: 256 tokens
-    monkeypatch.setattr(native, "BACK", 1)
+    slabs = NativeConfig(slab_elements=1 << 14)  # 4 slots of [H=2, C=64, D=32]: 256 tokens
     B, T, H, K, V = 1, 16384, 2, 32, 32
     kw, _ = make(seed=32, B=B, T=T, H=H, K=K, V=V, g="key", dtype=torch.float32)
     plan = check(**kw)
-    call = lambda x: recurrent_native(plan, x["q"], x["k"], x["v"], g=x["g"])
+    call = lambda x: recurrent_native(plan, x["q"], x["k"], x["v"], g=x["g"], config=slabs)
     # resident-set growth during a call, the least of 3: glibc adds arenas when threads
     # contend for its lock (more under load), which only ever adds to what a call needs
     least = lambda fn: peak_memory_bytes(fn, 3)
@@ -417,7 +425,7 @@ def test_streamed_memory_is_output_plus_a_slab(monkeypatch):
     # k^T v expanded over the query heads, then updated in place (needs its own memory)
 ])
 def test_decode_steps_match_oracle(T, reverse, case):
-    """A few tokens a row without autograd (decoding) take the step-by-step update (_steps):
+    """A few tokens a row without autograd (decoding) take the step-by-step update (_stepwise):
     every gate kind, GQA, per-sequence g_gamma, with and without an initial state, a
     bfloat16 q; the inputs stay untouched."""
     case = dict(dict(dtype=torch.float32), **case)

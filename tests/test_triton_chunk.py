@@ -17,12 +17,12 @@ triton = pytest.importorskip("triton")
 import bridge.kernels  # noqa: E402,F401  (decides the interpreter before triton is imported)
 from bridge import contract, dispatch, grads, torch_runner  # noqa: E402
 from bridge.kernels import chunk, common  # noqa: E402
+from bridge.contract import PER_TOKEN  # noqa: E402  (given packed as [total, H, *])
 from parity import backends, cases  # noqa: E402
 from parity.compare import assert_close, errors, rel_err, tolerance  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 ORACLE = backends.Oracle()
-BATCHED = ("q", "k", "v", "g", "gk", "gv", "do")  # given packed as [total, H, *]
 
 
 def run_chunk(case, arrays, dtype, use_dht=True):
@@ -30,7 +30,7 @@ def run_chunk(case, arrays, dtype, use_dht=True):
     in each input's shape."""
     t = cases.to_torch(arrays, getattr(torch, dtype))
     plan = contract.check(**{n: x for n, x in cases.call_kwargs(case, t).items()})
-    env = {n: (x.reshape((1,) + tuple(x.shape)) if plan.packed and n in BATCHED else x)
+    env = {n: (x.reshape((1,) + tuple(x.shape)) if plan.packed and n in PER_TOKEN else x)
            for n, x in t.items()}
     if plan.varlen:
         env["cu_seqlens"] = env["cu_seqlens"].to(torch.int32)

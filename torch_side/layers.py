@@ -137,19 +137,19 @@ class GatedLinearAttention(_Layer):
     (hidden_size, num_heads, num_kv_heads, expand_k, expand_v, gate_low_rank_dim,
     gate_logit_normalizer, use_output_gate, norm_eps) or `config=LayerConfig(...)`;
     `mode` / `platform` / `context_group` go to `ops.recurrent` (as
-    `ops.recurrent_gla`: `g` the key-dim gate)."""
+    `variants.recurrent_gla`: `g` the key-dim gate)."""
 
     KIND = "gla"
 
     def _recurrence(self, q, k, v, gk, mask, cu_seqlens, state):
-        # ops.recurrent_gla's call, one call level less a decoding step
+        # variants.recurrent_gla's call, one call level less a decoding step
         return ops.recurrent(q, k, v, g=gk, initial_state=state, cu_seqlens=cu_seqlens,
                              mode=self.mode, platform=self.platform,
                              context_group=self.context_group)
 
 
 class LightningAttention(_Layer):
-    """Lightning attention layer: projections + `ops.lightning_attn` (constant per-head
+    """Lightning attention layer: projections + `variants.lightning_attn` (constant per-head
     decay set by config.layer_idx / config.num_layers), same output gate/norm as GLA."""
 
     KIND = "lightning"
@@ -176,7 +176,7 @@ class LightningAttention(_Layer):
 
     def _recurrence(self, q, k, v, gk, mask, cu_seqlens, state):
         gamma = self._gamma_on(q.device)
-        if mask is None:  # = ops.lightning_attn
+        if mask is None:  # = variants.lightning_attn
             return ops.recurrent(q, k, v, g_gamma=gamma, initial_state=state,
                                  cu_seqlens=cu_seqlens, mode=self.mode, platform=self.platform,
                                  context_group=self.context_group)

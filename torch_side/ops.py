@@ -130,8 +130,3 @@ def _run(call, inputs, cu_seqlens, *, direct, context_group):
 
 
 recurrent.__doc__ = variants.RECURRENT_DOC
-
-
-# torch.tensor of Python floats (exact for float32 values), not from_numpy: traceable
-recurrent_gla, lightning_attn, gla_attention = variants.named_variants(
-    recurrent, lambda a, like: torch.tensor(a.tolist(), dtype=torch.float32, device=like.device))

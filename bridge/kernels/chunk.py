@@ -31,9 +31,10 @@ anyway), in fp32 otherwise (fp16's range is too small for a state).
 
 import os
 
+from ..contract import ITEMSIZE
 from ..launch import Launch, Out
 from .chunk_bwd import chunk_dA_kernel, chunk_dgamma_kernel, chunk_dqk_kernel, chunk_dv_kernel
-from .common import check_k, flags, gate_inputs, key_gated, next_pow2
+from .common import check_k, flags, gate_inputs, key_gated, next_pow2, present, varlen_input
 from .chunk_fwd import (chunk_gate_kernel, chunk_intra_kernel, chunk_output_kernel,
                         chunk_state_kernel)
 
@@ -102,7 +103,8 @@ def _state_dtype(plan) -> str:
 
 
 def _size(plan) -> int:
-    return {"float32": 4, "float64": 8}.get(plan.dtype, 2)
+    """Bytes per element of q (and of k, v, the gates and do: the plan's dtype)."""
+    return ITEMSIZE[plan.dtype]
 
 
 def _a_dtype(plan, fp32: bool) -> str:
@@ -146,10 +148,10 @@ def gate_launch(plan, value: bool, backward: bool) -> Launch:
     name = {(False, False): "kg", (False, True): "vg", (True, False): "qg",
             (True, True): "dog"}[(backward, value)]
     return _launch(plan, chunk_gate_kernel, (ns * H * nd,),
-                   (x, *gate_inputs(plan), "cu_seqlens" if plan.varlen else None),
-                   (plan.scale, T, N),
-                   (Out(name, (B, T, H, D), "like:q" if backward else "like:k"),
-                    Out("decay_v" if value else "decay_k", (ns, H, D))),
+                   dict(x=x, **gate_inputs(plan), **varlen_input(plan)),
+                   dict(scale=plan.scale, T=T, N=N),
+                   dict(xg=Out(name, (B, T, H, D), "like:q" if backward else "like:k"),
+                        decay=Out("decay_v" if value else "decay_k", (ns, H, D))),
                    _consts(plan, c), flops=2 * ns * H * BT * BT * D,
                    nbytes=B * T * (heads + 2 * H) * D * _size(plan) + ns * H * D * 4,
                    HX=heads, D=D, BD=BD, VALUE=value, BACKWARD=backward)
@@ -166,25 +168,24 @@ def state_launches(plan, backward: bool, use_s_in: bool, store_out: bool) -> lis
     pre_k = plan.g != "none" or plan.gk
     pre = ([gate_launch(plan, False, backward)] if pre_k else []) + (
         [gate_launch(plan, True, backward)] if plan.gv else [])
-    cu = "cu_seqlens" if plan.varlen else None
-    gamma = "g_gamma" if plan.g_gamma != "none" else None
     if backward:
         x, y = ("qg" if pre_k else "q"), ("dog" if plan.gv else "do")
         hx, hy = H, H
-        outputs = (Out("dh", (ns, H, K, V), _state_dtype(plan)),
-                   Out("d_initial_state", (N, H, K, V)) if store_out else None)
+        outputs = dict(states=Out("dh", (ns, H, K, V), _state_dtype(plan)),
+                       s_out=Out("d_initial_state", (N, H, K, V)) if store_out else None)
         s_in = "dfinal_state" if use_s_in else None
     else:
         x, y = ("kg" if pre_k else "k"), ("vg" if plan.gv else "v")
         hx, hy = (H if pre_k else plan.Hk), (H if plan.gv else plan.Hk)
-        outputs = (Out("h", (ns, H, K, V), _state_dtype(plan)),
-                   Out("final_state", (N, H, K, V)) if store_out else None)
+        outputs = dict(states=Out("h", (ns, H, K, V), _state_dtype(plan)),
+                       s_out=Out("final_state", (N, H, K, V)) if store_out else None)
         s_in = "initial_state" if use_s_in else None
-    inputs = (x, y, "decay_k" if pre_k else None, "decay_v" if plan.gv else None, gamma, s_in,
-              cu)
+    inputs = dict(x=x, y=y, decay_k="decay_k" if pre_k else None,
+                  decay_v="decay_v" if plan.gv else None, **present(plan, "g_gamma"), s_in=s_in,
+                  **varlen_input(plan))
     nbytes = (B * T * (hx * K + hy * V) * isz + ns * H * K * V * ssz + 2 * N * H * K * V * 4)
     return pre + [_launch(plan, chunk_state_kernel, (c["NK"] * c["NV"] * N * H,), inputs,
-                          (plan.scale, T), outputs, _consts(plan, c),
+                          dict(scale=plan.scale, T=T), outputs, _consts(plan, c),
                           flops=2 * ns * BT * H * K * V, nbytes=nbytes, HX=hx, HY=hy,
                           USE_S_IN=use_s_in, STORE_OUT=store_out, BACKWARD=backward)]
 
@@ -197,10 +198,10 @@ def intra_launch(plan, fp32: bool = False) -> Launch:
     ns, levels = slots(plan), BT.bit_length() - 1
     products = 2 * levels - 1 if key_gated(plan) else 1  # each level + its segmented sums
     return _launch(plan, chunk_intra_kernel, (ns * H,),
-                   ("q", "k", "g" if plan.g != "none" else None, "gk" if plan.gk else None,
-                    "g_gamma" if plan.g_gamma != "none" else None,
-                    "cu_seqlens" if plan.varlen else None),
-                   (plan.scale, T, plan.N), (Out("A", (B, T, H, BT), _a_dtype(plan, fp32)),),
+                   dict(q="q", k="k", **present(plan, "g", "gk", "g_gamma"),
+                        **varlen_input(plan)),
+                   dict(scale=plan.scale, T=T, N=plan.N),
+                   dict(A=Out("A", (B, T, H, BT), _a_dtype(plan, fp32))),
                    _consts(plan, c),
                    flops=2 * ns * H * BT * BT * K * products, BK=intra_bk(plan),
                    nbytes=B * T * (H + plan.Hk) * K * _size(plan)
@@ -229,9 +230,9 @@ def output_launch(plan, prime: bool = False) -> Launch:
     nbytes = (B * T * (H * K + plan.Hk * V + H * V * (2 if prime else 1)) * isz
               + B * T * H * BT * isz + ns * H * K * V * ssz)
     return _launch(plan, chunk_output_kernel, (ns * H * -(-V // bv),),
-                   ("q", "v", *gate_inputs(plan), "A", "h",
-                    "cu_seqlens" if plan.varlen else None, "do" if prime else None),
-                   (plan.scale, T, plan.N), (out,), _consts(plan, c),
+                   dict(q="q", v="v", **gate_inputs(plan), A="A", h="h", **varlen_input(plan),
+                        do="do" if prime else None),
+                   dict(scale=plan.scale, T=T, N=plan.N), dict(o=out), _consts(plan, c),
                    flops=2 * ns * BT * H * V * (K + BT), nbytes=nbytes, PRIME=prime, BV=bv)
 
 
@@ -266,8 +267,7 @@ def backward_launches(plan, use_dht: bool, kept: tuple = ()) -> list:
     B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
     ns, isz = slots(plan), _size(plan)
     consts = _consts(plan, c)
-    gates = gate_inputs(plan)
-    cu = "cu_seqlens" if plan.varlen else None
+    gates, cu = gate_inputs(plan), varlen_input(plan)
     own = plan.group == 1  # per-query-head dk/dv are the gradients themselves
     ssz = _state_size(plan)
     tokens = B * T
@@ -284,18 +284,21 @@ def backward_launches(plan, use_dht: bool, kept: tuple = ()) -> list:
     # bf16 (its products run on tensor cores: fp32 values go in as 3 exact pieces)
     n_scan = 2 * LEVELS + 3
     launches.append(_launch(
-        plan, chunk_dA_kernel, (ns, H), ("v", "gv" if plan.gv else None, "do", cu),
-        (T, N), (Out("dA", (B, T, H, BT)),
-                 Out("scan_table", (n_scan, BT, BT),
-                     "like:q" if plan.dtype in ("bfloat16", "float16") else "bfloat16")), consts,
+        plan, chunk_dA_kernel, (ns, H), dict(v="v", **present(plan, "gv"), do="do", **cu),
+        dict(T=T, N=N), dict(dA=Out("dA", (B, T, H, BT)),
+                             tab=Out("scan_table", (n_scan, BT, BT),
+                                     "like:q" if plan.dtype in ("bfloat16", "float16")
+                                     else "bfloat16")), consts,
         flops=2 * ns * H * BT * BT * V * (1 + (LEVELS + 1 if plan.gv else 0)),
         nbytes=tokens * (H + plan.Hk) * V * isz + tokens * H * BT * 4))
     dv_bv = c["BV"] if plan.gv else min(DV_BV.get(plan.dtype, c["BV"]), max(16, next_pow2(V)))
     launches.append(_launch(
         plan, chunk_dv_kernel, (ns, -(-V // dv_bv), H),
-        ("k", "v", *gates, "A", "h", "dh", "odo" if plan.gv else None, "scan_table", cu, "do"),
-        (T, N), (Out("dv_h", (B, T, H, V), "like:v" if own else "float32"),
-                 Out("db", (B, T, H, V)) if plan.gv else None), dict(consts, BV=dv_bv),
+        dict(k="k", v="v", **gates, A="A", h="h", dh="dh", odo="odo" if plan.gv else None,
+             tab="scan_table", **cu, do="do"),
+        dict(T=T, N=N), dict(dv=Out("dv_h", (B, T, H, V), "like:v" if own else "float32"),
+                             db=Out("db", (B, T, H, V)) if plan.gv else None),
+        dict(consts, BV=dv_bv),
         flops=2 * ns * BT * H * V * (BT + K),
         nbytes=(tokens * (plan.Hk * K + H * V * 2) * isz + tokens * H * BT * 4
                 + ns * H * K * V * ssz)))
@@ -303,23 +306,24 @@ def backward_launches(plan, use_dht: bool, kept: tuple = ()) -> list:
     nk = -(-K // bk)
     launches.append(_launch(
         plan, chunk_dqk_kernel, (ns, nk, H),
-        ("q", "k", "v", *gates, "h", "dh", "A" if plan.g_gamma != "none" else None,
-         "dA", "scan_table", cu, "do"),
-        (plan.scale, T, N),
-        (Out("dq", (B, T, H, K), "like:q"),
-         Out("dk_h", (B, T, H, K), "like:k" if own else "float32"),
-         Out("da", (B, T, H, K), "like:g" if plan.g == "key" else "like:gk")
-         if plan.g == "key" or plan.gk else None,
-         Out("dg_head", (nk, B, T, H)) if plan.g == "head" else None,
-         Out("dgamma_part", (nk, ns, H)) if plan.g_gamma != "none" else None),
+        dict(q="q", k="k", v="v", **gates, h="h", dh="dh",
+             A="A" if plan.g_gamma != "none" else None, dA="dA", tab="scan_table", **cu,
+             do="do"),
+        dict(scale=plan.scale, T=T, N=N),
+        dict(dq=Out("dq", (B, T, H, K), "like:q"),
+             dk=Out("dk_h", (B, T, H, K), "like:k" if own else "float32"),
+             da=Out("da", (B, T, H, K), "like:g" if plan.g == "key" else "like:gk")
+             if plan.g == "key" or plan.gk else None,
+             dg_part=Out("dg_head", (nk, B, T, H)) if plan.g == "head" else None,
+             dgamma_part=Out("dgamma_part", (nk, ns, H)) if plan.g_gamma != "none" else None),
         dict(consts, BK=bk, BV=min(c["BV"], DQK_BV)),
         flops=2 * ns * BT * H * K * (2 * V + (2 + 3 * LEVELS) * BT),
         nbytes=(tokens * (2 * H * K + plan.Hk * (K + V) + H * V) * isz
                 + tokens * H * BT * 4 + 2 * ns * H * K * V * ssz)))
     if plan.g_gamma != "none":
         launches.append(Launch(
-            chunk_dgamma_kernel, grid=(N, H), inputs=("dgamma_part", cu), scalars=(T, ns),
-            outputs=(Out("dgamma", (N, H)),),
+            chunk_dgamma_kernel, grid=(N, H), inputs=dict(dgamma_part="dgamma_part", **cu),
+            scalars=dict(T=T, NS=ns), outputs=dict(dgamma=Out("dgamma", (N, H))),
             constexprs=dict(H=H, BT=BT, NK=nk, IS_VARLEN=plan.varlen), num_warps=1,
             bytes=(nk * ns + N) * H * 4))
     return launches

@@ -48,10 +48,21 @@ def flags(plan) -> dict:
                 IS_VARLEN=plan.varlen, REVERSE=plan.reverse)
 
 
-def gate_inputs(plan) -> tuple:
-    """Input names of the gates, in kernel order (g, gk, gv, g_gamma); None where absent."""
-    return ("g" if plan.g != "none" else None, "gk" if plan.gk else None,
-            "gv" if plan.gv else None, "g_gamma" if plan.g_gamma != "none" else None)
+def present(plan, *names) -> dict:
+    """{name: name} for the given inputs of `names`, {name: None} for the absent ones: the
+    inputs of a Launch whose kernel parameters are named like the tensors."""
+    given = plan.inputs()
+    return {n: n if n in given else None for n in names}
+
+
+def gate_inputs(plan) -> dict:
+    """The gates g, gk, gv, g_gamma as Launch inputs (kernel parameters of those names)."""
+    return present(plan, "g", "gk", "gv", "g_gamma")
+
+
+def varlen_input(plan) -> dict:
+    """cu_seqlens as a Launch input: None (unread) without it."""
+    return {"cu_seqlens": "cu_seqlens" if plan.varlen else None}
 
 
 def key_gated(plan) -> bool:

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ..launch import Launch, Out
-from .common import check_k, flags, gate_inputs, head_gamma, next_pow2, seq_bounds
+from .common import check_k, flags, gate_inputs, head_gamma, next_pow2, seq_bounds, varlen_input
 
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -330,12 +330,12 @@ def forward_launches(plan) -> list:
     B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
     return _with_bytes(plan, [Launch(
         fused_recurrent_fwd_kernel, grid=(c["NV"] * N * H,),
-        inputs=("q", "k", "v", *gate_inputs(plan),
-                "initial_state" if plan.initial_state else None,
-                "cu_seqlens" if plan.varlen else None, None, None),
-        scalars=(plan.scale, T),
-        outputs=(Out("o", (B, T, H, V), "like:q"), Out("final_state", (N, H, K, V)),
-                 None, None, None, None, None),
+        inputs=dict(q="q", k="k", v="v", **gate_inputs(plan),
+                    h0="initial_state" if plan.initial_state else None, **varlen_input(plan),
+                    do=None, dht=None),
+        scalars=dict(scale=plan.scale, T=T),
+        outputs=dict(o=Out("o", (B, T, H, V), "like:q"), ht=Out("final_state", (N, H, K, V)),
+                     dq=None, odo=None, dfa=None, dfb=None, dgamma_part=None),
         constexprs=dict(flags(plan), BK=c["BK"], BV=c["BV"], NV=c["NV"],
                         USE_H0=plan.initial_state, DQ=False, USE_DHT=False),
         num_warps=c["num_warps"])])
@@ -360,32 +360,33 @@ def backward_launches(plan, use_dht: bool, kept: tuple = ()) -> list:
     B, T, H, K, V, N, NV = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N, c["NV"]
     blocks = dict(BK=c["BK"], BV=c["BV"], NV=NV)
     fl = flags(plan)
-    gates = gate_inputs(plan)
-    cu = "cu_seqlens" if plan.varlen else None
+    gates, cu = gate_inputs(plan), varlen_input(plan)
     dht = "dfinal_state" if use_dht else None
     final_a = use_dht and (plan.g != "none" or plan.gk)
     final_b = use_dht and plan.gv
     gamma = plan.g_gamma != "none"
     return _with_bytes(plan, [
         Launch(fused_recurrent_fwd_kernel, grid=(NV * N * H,),
-               inputs=("q", "k", "v", *gates, "initial_state" if plan.initial_state else None,
-                       cu, "do", dht),
-               scalars=(plan.scale, T),
-               outputs=(None, None, Out("dq_part", (B, T, H, NV, K)),
-                        Out("odo", (B, T, H, V)) if plan.gv else None,
-                        Out("dfa", (N, H, NV, K)) if final_a else None,
-                        Out("dfb", (N, H, V)) if final_b else None,
-                        Out("dgamma_part", (N, H, NV)) if gamma else None),
+               inputs=dict(q="q", k="k", v="v", **gates,
+                           h0="initial_state" if plan.initial_state else None, **cu, do="do",
+                           dht=dht),
+               scalars=dict(scale=plan.scale, T=T),
+               outputs=dict(o=None, ht=None, dq=Out("dq_part", (B, T, H, NV, K)),
+                            odo=Out("odo", (B, T, H, V)) if plan.gv else None,
+                            dfa=Out("dfa", (N, H, NV, K)) if final_a else None,
+                            dfb=Out("dfb", (N, H, V)) if final_b else None,
+                            dgamma_part=Out("dgamma_part", (N, H, NV)) if gamma else None),
                constexprs=dict(fl, **blocks, USE_H0=plan.initial_state, DQ=True,
                                USE_DHT=use_dht),
                # the g_gamma tangent is a second state tile: twice the threads hold it
                # (sm_90, unhinted 64 x 64 tile: 255 registers a thread at 4 warps, 128 at 8)
                num_warps=2 * c["num_warps"] if gamma else c["num_warps"]),
         Launch(fused_recurrent_bwd_dkv_kernel, grid=(NV * N * H,),
-               inputs=("q", "k", "v", *gates, cu, "do", dht),
-               scalars=(plan.scale, T),
-               outputs=(Out("dk_part", (B, T, H, NV, K)), Out("dv_part", (B, T, H, V)),
-                        Out("d_initial_state", (N, H, K, V)) if plan.initial_state else None),
+               inputs=dict(q="q", k="k", v="v", **gates, **cu, do="do", dht=dht),
+               scalars=dict(scale=plan.scale, T=T),
+               outputs=dict(dk=Out("dk_part", (B, T, H, NV, K)), dv=Out("dv_part", (B, T, H, V)),
+                            dh0=Out("d_initial_state", (N, H, K, V))
+                            if plan.initial_state else None),
                constexprs=dict(fl, **blocks, USE_H0=plan.initial_state, USE_DHT=use_dht),
                num_warps=c["num_warps"]),
         _combine(plan, use_dht, NV, c["BK"], c["BVF"], "dfa" if final_a else None,
@@ -397,15 +398,16 @@ def _combine(plan, use_dht, NV, combine_bk, bvf, dfa, dfb, dgamma_part) -> Launc
     B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
     return Launch(
         fused_recurrent_bwd_combine_kernel, grid=(N * H,),
-        inputs=("q", "k", "v", "do", "cu_seqlens" if plan.varlen else None,
-                "dq_part", "dk_part", "dv_part", "odo" if plan.gv else None,
-                dfa, dfb, dgamma_part),
-        scalars=(plan.scale, T),
-        outputs=(Out("dq", (B, T, H, K)), Out("dk_h", (B, T, H, K)), Out("dv_h", (B, T, H, V)),
-                 Out("da", (B, T, H, K)) if plan.g == "key" or plan.gk else None,
-                 Out("dg_head", (B, T, H)) if plan.g == "head" else None,
-                 Out("dgamma", (N, H)) if plan.g_gamma != "none" else None,
-                 Out("db", (B, T, H, V)) if plan.gv else None),
+        inputs=dict(q="q", k="k", v="v", do="do", **varlen_input(plan), dq_part="dq_part",
+                    dk_part="dk_part", dv_part="dv_part", odo="odo" if plan.gv else None,
+                    dfa=dfa, dfb=dfb, dgamma_part=dgamma_part),
+        scalars=dict(scale=plan.scale, T=T),
+        outputs=dict(dq=Out("dq", (B, T, H, K)), dk_h=Out("dk_h", (B, T, H, K)),
+                     dv_h=Out("dv_h", (B, T, H, V)),
+                     da=Out("da", (B, T, H, K)) if plan.g == "key" or plan.gk else None,
+                     dg_head=Out("dg_head", (B, T, H)) if plan.g == "head" else None,
+                     dgamma=Out("dgamma", (N, H)) if plan.g_gamma != "none" else None,
+                     db=Out("db", (B, T, H, V)) if plan.gv else None),
         constexprs=dict(flags(plan), BK=combine_bk, BVF=bvf, NV=NV, USE_H0=plan.initial_state,
                         USE_DHT=use_dht),
         num_warps=1)
@@ -413,38 +415,18 @@ def _combine(plan, use_dht, NV, combine_bk, bvf, dfa, dfb, dgamma_part) -> Launc
 
 # ---------------------------------------------------------------- HBM traffic
 
-_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
-
-
 def _with_bytes(plan, launches) -> list:
     """The launches with `bytes` filled: every tensor each one reads or writes,
-    once, in its dtype (the convention of bridge.aot.input_dtypes: activations,
-    gates and do in q's dtype, g_gamma and the states fp32, cu_seqlens int32;
-    buffers of earlier launches in their Out's dtype). A value block program
-    re-reads q, k and the key gates of its row, from L2 where NV > 1: not
+    once, in its dtype (the call's tensors as `Plan.shape` / `Plan.tensor_dtype`
+    give them; buffers of earlier launches as their Out says). A value block
+    program re-reads q, k and the key gates of its row, from L2 where NV > 1: not
     counted. This family has no tl.dot, so dot_flops stays 0."""
-    B, T, H, Hk, K, V, N = plan.B, plan.T, plan.H, plan.Hk, plan.K, plan.V, plan.N
-    dt = plan.dtype
-    known = {"q": ((B, T, H, K), dt), "k": ((B, T, Hk, K), dt), "v": ((B, T, Hk, V), dt),
-             "g": ((B, T, H, K) if plan.g == "key" else (B, T, H), dt),
-             "gk": ((B, T, H, K), dt), "gv": ((B, T, H, V), dt),
-             "g_gamma": ((H,) if plan.g_gamma == "head" else (N, H), "float32"),
-             "initial_state": ((N, H, K, V), "float32"), "final_state": ((N, H, K, V), "float32"),
-             "dfinal_state": ((N, H, K, V), "float32"), "cu_seqlens": ((N + 1,), "int32"),
-             "do": ((B, T, H, V), dt)}
-
-    def nbytes(shape, dtype):
-        n = _ITEMSIZE[dtype]
-        for s in shape:
-            n *= s
-        return n
-
+    made = {}
     out = []
     for launch in launches:
-        total = sum(nbytes(*known[n]) for n in launch.inputs if n is not None)
-        for o in launch.outputs:
-            if o is not None:
-                known[o.name] = (o.shape, dt if o.dtype.startswith("like:") else o.dtype)
-                total += nbytes(*known[o.name])
+        total = sum(made[n] if n in made else plan.nbytes(n) for n in launch.reads())
+        for o in launch.writes():
+            made[o.name] = o.nbytes(plan)
+            total += made[o.name]
         out.append(dataclasses.replace(launch, bytes=total, dot_flops=0))
     return out

@@ -16,6 +16,8 @@ from . import report, timing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_OUT = os.path.join(ROOT, "parity", "bench", "results")
+# measurements by hand that no command reruns (why the CPU paths' knobs have their values)
+TUNING_HISTORY = "## Tuning history of the CPU paths"
 SHAPES = [(2, 8, 64, 64), (1, 4, 128, 128)]
 TS = [512, 1024, 2048, 4096, 8192]
 QUICK_SHAPES = [(1, 2, 16, 16)]
@@ -236,12 +238,15 @@ def _write_outputs(args, records, impls, machine, checks, gpu_section, json_path
     text = report.markdown(records, impls, anchors.BASELINES, machine, checks,
                            [os.path.relpath(p, md_dir) for p in plots], gpu_section,
                            readiness, compile_time, multidevice, decode=decode, profile=profile)
-    # the training comparison has its own command (python -m parity.train): keep its section
+    # sections this run does not measure: keep them as they are
+    from ..sections import replace_section, section_body
     from ..train import report as train_report
 
     old = open(md_path).read() if os.path.exists(md_path) else ""
-    if train_report.extract(old):
-        text = train_report.splice(text, train_report.extract(old))
+    for heading in (train_report.HEADING, TUNING_HISTORY):
+        body = section_body(old, heading)
+        if body is not None:
+            text = replace_section(text, body, heading)
     with open(md_path, "w") as f:
         f.write(text)
     log(f"wrote {md_path}, {json_path}" + "".join(f", {p}" for p in plots))

@@ -80,8 +80,8 @@ def _jax_pair(hidden, heads, B):
     ours = jax.jit(lambda x, s: apply(params, x, state=s))
     traced = jax.jit(lambda x, s: apply(params, x, state=s))
 
-    def ref(x, s):  # traced with the plain recurrence in place of ops.recurrent_gla
-        with mock.patch.object(layers.ops, "recurrent_gla", plain_jax):
+    def ref(x, s):  # traced with the plain recurrence in place of the layer's recurrent_gla
+        with mock.patch.object(layers, "recurrent_gla", plain_jax):
             return traced(x, s)
     return ours, ref
 

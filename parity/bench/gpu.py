@@ -111,14 +111,20 @@ def ceilings(device="cuda", matmul_n=8192, copy_bytes=2 ** 30, rep_ms=100):
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     gen = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(matmul_n, matmul_n, device=device, generator=gen).to(dtype)
-    b = torch.randn(matmul_n, matmul_n, device=device, generator=gen).to(dtype)
-    tf = 2 * matmul_n ** 3 / (bench(lambda: a @ b, device, rep_ms=rep_ms) * 1e-3) / 1e12
-    del a, b
+    tf = 2 * matmul_n ** 3 / (_matmul_ms(matmul_n, dtype, device, gen, rep_ms) * 1e-3) / 1e12
     src = torch.randn(copy_bytes // 2, device=device, generator=gen).to(torch.bfloat16)
     dst = torch.empty_like(src)
     gb = 2 * copy_bytes / (bench(lambda: dst.copy_(src), device, rep_ms=rep_ms) * 1e-3) / 1e9
     return tf, gb
+
+
+def _matmul_ms(n, dtype, device, gen, rep_ms):
+    """ms of one [n, n] @ [n, n] product in `dtype` (its operands freed on return)."""
+    import torch
+
+    a = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    b = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    return bench(lambda: a @ b, device, rep_ms=rep_ms)
 
 
 def gla_inputs(size, device="cuda", dtype=None, seed=0):

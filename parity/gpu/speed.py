@@ -266,6 +266,7 @@ def jax_child(emit, deadline, *, plan):
                 except Exception as e:
                     emit("agree", family=family, T=size[1], jax_vs_torch=None,
                          error=f"{type(e).__name__}: {str(e)[:300]}")
-        del torch_sets, jax_sets
+        jax_sets.clear()  # frees the arrays now; next_jax's closure still names the list
+        del torch_sets
     return {}
 

@@ -8,7 +8,7 @@ import io
 import json
 import os
 
-from ..sections import replace_section, section_body
+from ..sections import replace_section
 from .optim import Hyper
 
 HEADING = "## Training parity"
@@ -207,12 +207,6 @@ def splice(text: str, new: str) -> str:
     """`text` with its training section replaced by `new` (the section, heading first),
     or `new` appended (parity.sections)."""
     return replace_section(text, new.split("\n", 1)[1].strip("\n"), HEADING)
-
-
-def extract(text: str) -> str:
-    """`text`'s training section (heading first), or ""."""
-    body = section_body(text, HEADING)
-    return "" if body is None else f"{HEADING}\n\n{body}\n"
 
 
 def refresh(out: str, md: str, *, plot_it: bool = True, log=print) -> int:
