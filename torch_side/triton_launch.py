@@ -47,8 +47,8 @@ def kept_like(plan, mode, q):
     name = kept(plan, mode)
     if name is None:
         return None
-    out = next(o for launch in family(mode).forward_launches(plan) for o in launch.outputs
-               if o is not None and o.name == name)
+    out = next(o for launch in family(mode).forward_launches(plan)
+               for o in launch.outputs.values() if o is not None and o.name == name)
     dtype = resolve_dtype(out.dtype, {"q": q})
     return q.new_empty(out.shape, dtype=getattr(torch, dtype) if isinstance(dtype, str)
                        else dtype)
