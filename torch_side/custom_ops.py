@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from bridge import contract, grads
+from bridge import contract
 from bridge.kernels import INTERPRETED
 from . import dtensor, torch_internals, triton_launch
 from .native import recurrent_native, recurrent_native_backward
@@ -61,9 +61,10 @@ def plan_of(*, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, re
         varlen=cu_seqlens is not None, packed=False, dtype=contract.dtype_name(q))
 
 
-def _named(q, k, v, g, gk, gv, g_gamma, initial_state) -> dict:
-    """The op's array arguments (schema order) by name, as every layer below takes them."""
-    return dict(q=q, k=k, v=v, g=g, gk=gk, gv=gv, g_gamma=g_gamma, initial_state=initial_state)
+def _named(*arrays) -> dict:
+    """The op's array arguments (schema order, `contract.INPUTS`) by name, as every layer
+    below takes them."""
+    return dict(zip(contract.INPUTS, arrays))
 
 
 def _check_mode(mode):
@@ -182,7 +183,7 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tenso
             got = triton_launch.backward(plan, mode, inputs, cu_seqlens, final_state, kept,
                                          do, dfinal_state)
     # contiguous, as the fake promises (a [N,H] g_gamma's gradient can come transposed)
-    return _distinct([got[n].contiguous() for n in grads.INPUTS if inputs[n] is not None],
+    return _distinct([got[n].contiguous() for n in contract.INPUTS if inputs[n] is not None],
                      (*inputs.values(), final_state, kept, do, dfinal_state))
 
 
@@ -212,8 +213,8 @@ def _backward(ctx, do, dfinal_state, _dkept):
     *inputs, cu, final_state, kept = ctx.saved_tensors
     args = (*inputs, cu, final_state, kept, do, dfinal_state)
     if dtensor.is_dtensor(inputs[0]):  # each rank's shards, as the forward ran them
-        names = (*dtensor.ARGS, "final_state", "kept", "do", "dfinal_state")
-        present = [(n, x) for n, x in zip(dtensor.ARGS, inputs) if x is not None]
+        names = (*contract.ARGS, "final_state", "A", "do", "dfinal_state")  # A: see dtensor
+        present = [(n, x) for n, x in zip(contract.ARGS, inputs) if x is not None]
         got = iter(dtensor.local_map(
             lambda *a: bwd(*a, ctx.scale, ctx.reverse, ctx.mode), inputs[0],
             list(zip(names, args)), present))
@@ -325,7 +326,7 @@ def triton_bwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optiona
     plan = plan_of(**inputs, cu_seqlens=cu_seqlens, scale=scale, reverse=reverse)
     got = triton_launch.backward(plan, mode, inputs, cu_seqlens, final_state, kept, do,
                                  dfinal_state, wrap=True)
-    got = [got[n] for n in grads.INPUTS if inputs[n] is not None]
+    got = [got[n] for n in contract.INPUTS if inputs[n] is not None]
     # g and gk share one gate-gradient buffer; outputs may not alias each other
     return [d.clone() if any(d is e for e in got[:i]) else d for i, d in enumerate(got)]
 

@@ -55,7 +55,7 @@ def kept_like(plan, mode, q):
 
 
 def forward(plan, mode, inputs, cu_seqlens, wrap=False):
-    """inputs: {name of `bridge.grads.INPUTS`: tensor in the batched layout, contiguous,
+    """inputs: {name of `bridge.contract.INPUTS`: tensor in the batched layout, contiguous,
     or None}. Returns (o [B,T,H,V] in q's dtype, final_state [N,H,K,V] fp32, the kept
     buffer (`kept`) or None)."""
     env = run(family(mode).forward_launches(plan), dict(inputs, cu_seqlens=cu_seqlens),
