@@ -114,6 +114,9 @@ def _run(call, inputs, cu_seqlens, *, direct, context_group):
     final_state). The op's third output, the buffer its backward reuses, stays with
     autograd."""
     plan, kernel = call.plan, call.kernel
+    if direct and context_group is None:  # a decoding step's path: nothing around it
+        o, final_state, _ = custom_ops.forward(plan, kernel, inputs, cu_seqlens)
+        return dispatch.unbatched(plan, o), final_state
 
     def local(inputs, cu_seqlens):  # (o, final_state) of this rank's pass
         if direct:  # on the Plan checked above (a context slice has the same shapes)
