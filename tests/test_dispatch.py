@@ -112,8 +112,8 @@ def test_direct_path_equals_the_oracle_and_skips_the_op_only_without_autograd(
 
     calls = []  # calls of the op itself, seen through the name ops.recurrent reads it by
     counted = types.SimpleNamespace(
-        direct=custom_ops.direct, forward=custom_ops.forward, run=custom_ops.run,
-        fwd=lambda *a, **k: calls.append(1) or custom_ops.fwd(*a, **k))
+        direct=custom_ops.direct, forward=custom_ops.forward,
+        checks_offsets=custom_ops.checks_offsets, fwd=lambda *a, **k: calls.append(1) or custom_ops.fwd(*a, **k))
     monkeypatch.setattr(ops, "custom_ops", counted)
     x = _torch_inputs()
     want_o, want_s = _want(x)
@@ -138,3 +138,34 @@ def test_direct_path_equals_the_oracle_and_skips_the_op_only_without_autograd(
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         o, _ = ops.recurrent(**x, platform="torch")
     assert calls == [1, 1] and o.dtype == torch.bfloat16  # the op's autocast rule ran
+
+
+@pytest.mark.parametrize("platform", ["torch", "triton"])
+@pytest.mark.parametrize("grad", [False, True], ids=["direct", "op"])
+def test_offsets_values_are_read_once_per_call(platform, grad, monkeypatch):
+    """Packed inputs with cu_seqlens, eager, on the direct path and through the op: the
+    offsets' values are read once per call (by the contract, or by the op where it reads
+    them), the result is the oracle's, and bad offsets are the contract's ValueError."""
+    reads = []  # the values the contract's checks got to read
+
+    def known_values(x, real=contract.known_values):
+        values = real(x)
+        if values is not None:
+            reads.append(values)
+        return values
+
+    monkeypatch.setattr(contract, "known_values", known_values)
+    from torch_side import ops
+
+    x = {n: torch.from_numpy(a).requires_grad_(grad) for n, a in _arrays(packed=True).items()}
+    cu = torch.tensor([0, 2, 5])
+    mode = "chunk" if platform == "triton" else "auto"
+    o, s = ops.recurrent(**x, cu_seqlens=cu, platform=platform, mode=mode)
+    assert len(reads) == 1
+    want_o, want_s = oracle.recurrent(**{n: t.detach().numpy() for n, t in x.items()},
+                                      cu_seqlens=cu.numpy())
+    np.testing.assert_allclose(o.detach().numpy(), want_o, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(s.detach().numpy(), want_s, rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="^cu_seqlens: expected non-decreasing values"):
+        ops.recurrent(**x, cu_seqlens=torch.tensor([0, 4, 3, 5]), platform=platform,
+                      mode=mode)

@@ -38,11 +38,13 @@ def _case(name, seed=None):
     return t, t.pop("cu_seqlens", None), SPECS[name].reverse, cot
 
 
-OPCHECK = [(c, m) for c in CASES for m in ("torch", "fused_recurrent")] + [("grouped", "chunk")]
+OPCHECK = [(c, m) for c in CASES for m in ("torch", "fused_recurrent")] + [
+    ("grouped", "chunk"), ("gk", "chunk")]
 # The interpreted chunk backward costs ~15 s a call here and opcheck's autograd tests call
 # it several times: chunk mode gets the schema and fake-tensor checks of the forward (the
 # backward's fake and autograd registration are shared by every mode, checked above; its
-# kernels by test_triton_chunk.py, through these ops).
+# kernels by test_triton_chunk.py, its reuse of the kept A by test_triton_chunk_bwd.py).
+# "grouped" (with g_gamma) keeps nothing, "gk" keeps A: the fake gives both shapes.
 CHEAP = ("test_schema", "test_faketensor")
 
 
@@ -63,17 +65,20 @@ def test_opcheck_and_oracle(name, mode):
                                 **(dict(test_utils=CHEAP) if mode == "chunk" else {}))
     assert set(out.values()) == {"SUCCESS"}, out
 
-    o, fin = custom_ops.fwd(*ins, cu, scale, reverse, mode)
+    o, fin, kept = custom_ops.fwd(*ins, cu, scale, reverse, mode)
     np_ins = {n: _np(x) for n, x in zip(ARGS, ins) if x is not None}
     cu_np = None if cu is None else cu.numpy()
     o_ref, fin_ref = oracle.recurrent(**np_ins, softmax_scale=scale, reverse=reverse,
                                       cu_seqlens=cu_np)
     assert rel_err(o, o_ref) < TOL and rel_err(fin, fin_ref) < TOL
+    B, T, H = ins[0].shape[:3]
+    keeps_a = mode == "chunk" and t.get("g_gamma") is None
+    assert kept.shape == ((B, T, H, 64) if keeps_a else (B, 0, H, 0)), kept.shape
     if mode == "chunk":
         return
 
     do, dfin = cot["do"], cot["dfinal_state"]
-    bwd_args = [*ins, cu, fin, do, dfin, scale, reverse, mode]
+    bwd_args = [*ins, cu, fin, None, do, dfin, scale, reverse, mode]
     out = torch.library.opcheck(custom_ops.bwd, bwd_args, test_utils=CHEAP)
     assert set(out.values()) == {"SUCCESS"}, out
     got = custom_ops.bwd(*bwd_args)
@@ -84,15 +89,18 @@ def test_opcheck_and_oracle(name, mode):
     assert all(e < 1e-4 for e in errs.values()), errs
 
 
-def test_triton_op_bodies_match_the_ops():
+@pytest.mark.parametrize("name,mode", [("grouped", "fused_recurrent"), ("gk", "chunk")])
+def test_triton_op_bodies_match_the_ops(name, mode):
     """The CUDA decomposition's triton_ops (launches through wrap_triton), run eagerly on
-    CPU: the same results as gla_bridge::fwd / bwd. (Their compiled path needs a GPU.)"""
-    t, cu, reverse, _ = _case("grouped")
+    CPU: the same results as gla_bridge::fwd / bwd, chunk's kept A included (passed to
+    the backward as autograd does). (Their compiled path needs a GPU.)"""
+    t, cu, reverse, _ = _case(name)
     ins = [t.get(n) for n in ARGS]
-    want = custom_ops.fwd(*ins, cu, 0.5, reverse, "fused_recurrent")
-    got = custom_ops.triton_fwd(*ins, cu, 0.5, reverse, "fused_recurrent")
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    bwd_args = [*ins, cu, want[1], want[0], want[1], 0.5, reverse, "fused_recurrent"]
+    want = custom_ops.fwd(*ins, cu, 0.5, reverse, mode)
+    got = custom_ops.triton_fwd(*ins, cu, 0.5, reverse, mode)
+    assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, want))
+    kept = want[2] if mode == "chunk" else None
+    bwd_args = [*ins, cu, want[1], kept, want[0], want[1], 0.5, reverse, mode]
     got, want = custom_ops.triton_bwd(*bwd_args), custom_ops.bwd(*bwd_args)
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
 

@@ -203,10 +203,44 @@ def _dtensor_case(mesh, strategies, platform, seed, cu=None):
         _close(f"{name} d{n}", d.full_tensor(), want[n])
 
 
+def _dtensor_kept_case(mesh):
+    """gla_bridge::fwd on head-sharded DTensors, the same inputs in mode "torch", then
+    "chunk", then "torch": the kept output's global shape follows the mode ([B,0,H,0],
+    chunk's A [B,T,H,64]: DTensor's sharding cache must not reuse one mode's for another)
+    and A is the one-process A; the chunk call's gradients (its backward reusing the
+    sharded A) equal one process's."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from torch_side import custom_ops, ops
+
+    gen = torch.Generator().manual_seed(30)
+    B, T, H, K = 2, 8, 4, 4
+    x = dict(q=torch.randn(B, T, H, K, generator=gen), k=torch.randn(B, T, H, K, generator=gen),
+             v=torch.randn(B, T, H, K, generator=gen), g=-torch.rand(B, T, H, K, generator=gen))
+    dt = {n: distribute_tensor(t, mesh, [Shard(2)], src_data_rank=None).requires_grad_()
+          for n, t in x.items()}
+    rest = (None, None, None, None, None, 0.5, False)
+    for mode, shape in (("torch", (B, 0, H, 0)), ("chunk", (B, T, H, 64)),
+                        ("torch", (B, 0, H, 0))):
+        kept = custom_ops.fwd(*dt.values(), *rest, mode)[2]
+        assert tuple(kept.shape) == shape and kept.placements == (Shard(2),), (mode, kept)
+        if mode == "chunk":
+            _close("kept A", kept.full_tensor(), custom_ops.fwd(*x.values(), *rest, mode)[2])
+    ref = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, f = ops.recurrent(**ref, platform="triton", mode="chunk")
+    want = torch.autograd.grad(o.sum() + f.square().sum(), list(ref.values()))
+    o_dt, f_dt = ops.recurrent(**dt, platform="triton", mode="chunk")
+    got = torch.autograd.grad(o_dt.sum() + f_dt.square().sum(), list(dt.values()))
+    _close("chunk DTensor o", o_dt.full_tensor(), o.detach())
+    for n, d, w in zip(dt, got, want):
+        _close(f"chunk DTensor d{n}", d.full_tensor(), w)
+
+
 def _dtensor_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
+    _dtensor_kept_case(mesh)
     for i, strategy in enumerate(("batch", "head", "time")):
         _dtensor_case(mesh, (strategy,), "torch", seed=10 + i)
     _dtensor_case(mesh, ("head",), "triton", seed=20)

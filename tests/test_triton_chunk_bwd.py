@@ -140,3 +140,36 @@ def test_strong_gates_fp32_stay_at_scan_precision():
     errs = run_case(case, "float32")
     assert_close(errs, "float32")
     assert max(errs[n] for n in ("dq", "dk", "dv")) < tolerance("float32") / 10, errs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_op_reuses_the_forwards_A(dtype, monkeypatch):
+    """torch_side.recurrent(mode="chunk") under autograd: the op keeps the forward's A
+    (chunk.kept: in q's dtype for bfloat16) and its backward reads it, launching no intra-chunk
+    kernel; its gradients equal those of the backward that recomputes A
+    (GLA_BRIDGE_CHUNK_KEEP=inputs) exactly, and the float64 oracle's within `dtype`'s
+    tolerance. Packed sequences, one crossing a chunk boundary."""
+    from torch_side import triton_launch
+
+    launched = []  # per launch list run by the torch op: its kernels' names
+    real_run = triton_launch.run
+
+    def counting_run(launches, env, **kw):
+        launched.append([launch.kernel.__name__ for launch in launches])
+        return real_run(launches, env, **kw)
+
+    monkeypatch.setattr(triton_launch, "run", counting_run)
+    case = C("kept-A", H=2, Hk=1, K=8, V=8, g="key", initial_state=True,
+             seqlens=(70, 5), packed=True)
+    arrays = backends.prepared(case, dtype, seed=3)
+    torch_chunk = backends.TorchBackend("triton", "chunk")
+    kept = torch_chunk.run(case, arrays, dtype)
+    (fwd_kernels, bwd_kernels), launched[:] = launched, []
+    assert "chunk_intra_kernel" in fwd_kernels and "chunk_intra_kernel" not in bwd_kernels
+
+    monkeypatch.setenv("GLA_BRIDGE_CHUNK_KEEP", "inputs")
+    recomputed = torch_chunk.run(case, arrays, dtype)
+    assert "chunk_intra_kernel" in launched[1], launched
+    for n, x in recomputed.items():
+        np.testing.assert_array_equal(kept[n], x, err_msg=n)
+    assert_close(errors(kept, ORACLE.run(case, arrays, dtype), case.gate_grad_floor), dtype)

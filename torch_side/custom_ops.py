@@ -2,38 +2,45 @@
 torch.export, autocast and torch.func.vmap see one node per call.
 
     gla_bridge::fwd(q, k, v, g?, gk?, gv?, g_gamma?, initial_state?, cu_seqlens?,
-                    scale, reverse, mode) -> (o [B,T,H,V] in q's dtype, final_state [N,H,K,V])
-    gla_bridge::bwd(the same inputs, final_state?, do?, dfinal_state?, scale, reverse, mode)
-                    -> [gradient of each present input, in its dtype and shape]
+                    scale, reverse, mode)
+        -> (o [B,T,H,V] in q's dtype, final_state [N,H,K,V], kept)
+    gla_bridge::bwd(the same inputs, final_state?, kept?, do?, dfinal_state?, scale,
+                    reverse, mode) -> [gradient of each present input, in its dtype and shape]
 
 Inputs are in the batched layout (packed inputs viewed as [1, total, H, *]), contiguous,
-already validated by `bridge.contract.check` (ops.recurrent calls it first). `mode`:
-"torch" (the chunked torch path, torch_side/native.py; final_state float64 for float64 q,
-else float32) or a Triton family, "chunk" / "fused_recurrent" (final_state float32).
+already validated by `bridge.contract.check` (ops.recurrent calls it first; the op
+checks only the cu_seqlens values it reads, `checks_offsets`). `mode`: "torch" (the
+chunked torch path, torch_side/native.py; final_state float64 for float64 q, else
+float32) or a Triton family, "chunk" / "fused_recurrent" (final_state float32).
+`kept`: the forward buffer the backward reuses instead of recomputing
+(`triton_launch.kept`: chunk's A [B,T,H,BT] under the default plan), else an empty
+[B,0,H,0] (a fixed schema; token-shaped, so DTensor and vmap place it like A).
 
+One forward body, `forward`, serves the op and ops.recurrent's direct calls (`direct`).
 Autograd: `bwd` is the registered backward (one node in a compiled backward graph); it
-saves the inputs and, only where the Triton launches read it, the final state. Mode
-"torch" recomputes its forward inside `bwd` (the tensors it would save have shapes that
-depend on the gate values, so they cannot be op outputs). No double backward; torch.func
-grad/vjp refuse torch's generated custom-op autograd Function (torch.autograd works).
+saves the inputs and, only where the Triton launches read them, the final state and the
+kept buffer. Mode "torch" recomputes its forward inside `bwd` (the tensors it would save
+have shapes that depend on the gate values, so they cannot be op outputs). No double
+backward; torch.func grad/vjp refuse torch's generated custom-op autograd Function
+(torch.autograd works).
 Autocast (cpu and cuda): q, k, v run in the autocast dtype, gates and states in float32
 (log decays summed over many steps lose too much in 16 bits); inside, the ops
 accumulate in float32 with autocast off. vmap: the mapped axis folds into the batch (into
 the packed sequences with cu_seqlens): one launch. On CUDA, under torch.compile, the
 Triton path decomposes into `gla_bridge::triton_fwd` / `triton_bwd` (torch.library
 triton_op, launches through wrap_triton), so Inductor sees the kernels; on CPU the
-interpreted launches stay inside the opaque op.
+interpreted launches stay inside the opaque op. The private torch APIs all of this needs
+sit in torch_side/torch_internals.py.
 """
 
 from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from bridge import contract, grads
+from bridge import contract
 from bridge.kernels import INTERPRETED
-from . import dtensor, triton_launch
+from . import dtensor, torch_internals, triton_launch
 from .native import recurrent_native, recurrent_native_backward
 
 MODES = ("torch", "chunk", "fused_recurrent")
@@ -54,14 +61,25 @@ def plan_of(*, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, re
         varlen=cu_seqlens is not None, packed=False, dtype=contract.dtype_name(q))
 
 
-def _named(q, k, v, g, gk, gv, g_gamma, initial_state) -> dict:
-    """The op's array arguments (schema order) by name, as every layer below takes them."""
-    return dict(q=q, k=k, v=v, g=g, gk=gk, gv=gv, g_gamma=g_gamma, initial_state=initial_state)
+def _named(*arrays) -> dict:
+    """The op's array arguments (schema order, `contract.INPUTS`) by name, as every layer
+    below takes them."""
+    return dict(zip(contract.INPUTS, arrays))
 
 
 def _check_mode(mode):
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+
+
+def _kept_name(plan, mode):
+    """The name of the buffer `fwd` returns as `kept`, or None (see the module doc)."""
+    return None if mode == "torch" else triton_launch.kept(plan, mode)
+
+
+def _nothing_kept(q) -> Tensor:
+    """`kept` where the mode keeps nothing: [B, 0, H, 0], no data."""
+    return q.new_empty(q.shape[0], 0, q.shape[2], 0)
 
 
 def _distinct(grads, inputs):
@@ -84,64 +102,53 @@ def _distinct(grads, inputs):
 
 
 def direct(inputs: dict, cu_seqlens=None) -> bool:
-    """Whether a call may run `run` itself instead of the op: nothing the op exists for is
-    active (autograd recording, torch.compile / export tracing, torch.func transforms,
-    autocast, tensor subclasses such as DTensor or fake tensors, dispatch modes). Then
-    both give the same result, and a decoding step no longer spends more time in the
-    dispatcher than in the recurrence. `inputs`: the arrays by name (None where absent);
-    `cu_seqlens`: the offsets or None."""
+    """Whether a call may run `forward` itself instead of the op: nothing the op exists
+    for is active (autograd recording, torch.compile / export tracing, torch.func
+    transforms, autocast, tensor subclasses such as DTensor or fake tensors, dispatch
+    modes). Then both give the same result, and a decoding step no longer spends more time
+    in the dispatcher than in the recurrence. `inputs`: the arrays by name (None where
+    absent); `cu_seqlens`: the offsets or None."""
     grad = torch.is_grad_enabled()
     for x in (*inputs.values(), cu_seqlens):
         if x is not None and (type(x) is not torch.Tensor or (grad and x.requires_grad)):
             return False
     # autocast on any device counts (cheaper than reading the inputs' device)
     return not (torch.compiler.is_compiling() or torch.jit.is_tracing()
-                or torch._C._functorch.peek_interpreter_stack() is not None
-                or torch._C._is_any_autocast_enabled() or _get_current_dispatch_mode() is not None)
+                or torch_internals.transform_active() or torch_internals.autocast_active()
+                or torch_internals.dispatch_mode_active())
 
 
-def forward(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, reverse, mode,
-            plan=None):
-    """The body of `fwd` (same arguments and results), for `direct` calls (whose
-    cu_seqlens values were never traced: ops.recurrent has checked them). `plan`: the
-    inputs' contract Plan where the caller has it (its `packed` is not read), else derived
-    from their shapes."""
-    inputs = _named(q, k, v, g, gk, gv, g_gamma, initial_state)
-    if plan is None:
-        plan = plan_of(**inputs, cu_seqlens=cu_seqlens, scale=scale, reverse=reverse)
-    return run(plan, mode, inputs, cu_seqlens)
+def checks_offsets(mode, cu_seqlens) -> bool:
+    """Whether `fwd` reads and checks the values of the cu_seqlens it is given: where that
+    costs no device sync (the torch path, or offsets on the CPU). Traced by the caller
+    (torch.compile, vmap), they are concrete only there; otherwise ops.recurrent leaves
+    them to the op, so each call checks them once."""
+    return cu_seqlens is not None and (mode == "torch" or cu_seqlens.device.type == "cpu")
 
 
-def run(plan, mode, inputs, cu_seqlens):
-    """`forward` on the arrays by name (`inputs`, as `_named` gives them) and their Plan,
-    whose scale and reverse it reads (ops.recurrent's direct calls)."""
-    if not torch._C._is_any_autocast_enabled():  # nothing to turn off
-        return _run(plan, mode, inputs, cu_seqlens)
-    # the op accumulates in float32 itself: autocast must not downcast its internals
-    with torch.autocast(inputs["q"].device.type, enabled=False):
-        return _run(plan, mode, inputs, cu_seqlens)
-
-
-def _run(plan, mode, inputs, cu_seqlens):
-    """`forward`'s work: the torch path or the Triton launches, on `inputs` by name."""
-    if mode == "torch":
-        return recurrent_native(plan, **inputs, cu_seqlens=cu_seqlens)
-    _check_mode(mode)
-    triton_launch.check_device(inputs["q"])
-    return triton_launch.forward(plan, mode, inputs, cu_seqlens)
+def forward(plan, mode, inputs, cu_seqlens):
+    """The forward of every call, the body of `fwd` and of ops.recurrent's direct calls:
+    the torch path or the Triton launches on `inputs` (the arrays by name, as `_named`
+    gives them) with their contract Plan (its scale and reverse are read, its `packed`
+    is not). Returns (o, final_state, the kept buffer or None)."""
+    with torch_internals.no_autocast(inputs["q"]):
+        if mode == "torch":
+            return (*recurrent_native(plan, **inputs, cu_seqlens=cu_seqlens), None)
+        return triton_launch.forward(plan, mode, inputs, cu_seqlens)
 
 
 @torch.library.custom_op("gla_bridge::fwd", mutates_args=())
 def fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tensor],
         gv: Optional[Tensor], g_gamma: Optional[Tensor], initial_state: Optional[Tensor],
         cu_seqlens: Optional[Tensor], scale: float, reverse: bool,
-        mode: str) -> tuple[Tensor, Tensor]:
-    if cu_seqlens is not None and (mode == "torch" or cu_seqlens.device.type == "cpu"):
-        # values traced by the caller (torch.compile, vmap) are concrete here; read them
-        # where that costs no device sync (ops.recurrent checked everything else)
-        contract.check(q, k, v, cu_seqlens=cu_seqlens)
-    return forward(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, reverse,
-                   mode)
+        mode: str) -> tuple[Tensor, Tensor, Tensor]:
+    _check_mode(mode)
+    if checks_offsets(mode, cu_seqlens):
+        contract.check_offsets(cu_seqlens, q.shape[1])
+    inputs = _named(q, k, v, g, gk, gv, g_gamma, initial_state)
+    plan = plan_of(**inputs, cu_seqlens=cu_seqlens, scale=scale, reverse=reverse)
+    o, final_state, kept = forward(plan, mode, inputs, cu_seqlens)
+    return o, final_state, _nothing_kept(q) if kept is None else kept
 
 
 @fwd.register_fake
@@ -150,54 +157,64 @@ def _fwd_fake(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, rev
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     wide = mode == "torch" and q.dtype == torch.float64
+    kept = None
+    if mode != "torch":
+        plan = plan_of(**_named(q, k, v, g, gk, gv, g_gamma, initial_state),
+                       cu_seqlens=cu_seqlens, scale=scale, reverse=reverse)
+        kept = triton_launch.kept_like(plan, mode, q)
     return (q.new_empty(B, T, H, V),
-            q.new_empty(N, H, K, V, dtype=torch.float64 if wide else torch.float32))
+            q.new_empty(N, H, K, V, dtype=torch.float64 if wide else torch.float32),
+            _nothing_kept(q) if kept is None else kept)
 
 
 @torch.library.custom_op("gla_bridge::bwd", mutates_args=())
 def bwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tensor],
         gv: Optional[Tensor], g_gamma: Optional[Tensor], initial_state: Optional[Tensor],
-        cu_seqlens: Optional[Tensor], final_state: Optional[Tensor], do: Optional[Tensor],
-        dfinal_state: Optional[Tensor], scale: float, reverse: bool,
+        cu_seqlens: Optional[Tensor], final_state: Optional[Tensor], kept: Optional[Tensor],
+        do: Optional[Tensor], dfinal_state: Optional[Tensor], scale: float, reverse: bool,
         mode: str) -> list[Tensor]:
     _check_mode(mode)
     inputs = _named(q, k, v, g, gk, gv, g_gamma, initial_state)
     plan = plan_of(**inputs, cu_seqlens=cu_seqlens, scale=scale, reverse=reverse)
-    with torch.autocast(q.device.type, enabled=False):
+    with torch_internals.no_autocast(q):
         if mode == "torch":
             got = recurrent_native_backward(plan, inputs, cu_seqlens, do, dfinal_state)
         else:
-            triton_launch.check_device(q)
-            got = triton_launch.backward(plan, mode, inputs, cu_seqlens, final_state, do,
-                                         dfinal_state)
+            got = triton_launch.backward(plan, mode, inputs, cu_seqlens, final_state, kept,
+                                         do, dfinal_state)
     # contiguous, as the fake promises (a [N,H] g_gamma's gradient can come transposed)
-    return _distinct([got[n].contiguous() for n in grads.INPUTS if inputs[n] is not None],
-                     (*inputs.values(), final_state, do, dfinal_state))
+    return _distinct([got[n].contiguous() for n in contract.INPUTS if inputs[n] is not None],
+                     (*inputs.values(), final_state, kept, do, dfinal_state))
 
 
 @bwd.register_fake
-def _bwd_fake(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, final_state, do,
-              dfinal_state, scale, reverse, mode):
+def _bwd_fake(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, final_state, kept,
+              do, dfinal_state, scale, reverse, mode):
     return [x.new_empty(x.shape) for x in (q, k, v, g, gk, gv, g_gamma, initial_state)
             if x is not None]
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, gk, gv, g_gamma, h0, cu, scale, reverse, mode = inputs
-    keep = mode != "torch" and triton_launch.needs_final_state(plan_of(
-        **_named(q, k, v, g, gk, gv, g_gamma, h0), cu_seqlens=cu, scale=scale,
-        reverse=reverse), mode)
-    ctx.save_for_backward(q, k, v, g, gk, gv, g_gamma, h0, cu, output[1] if keep else None)
+    *arrays, cu, scale, reverse, mode = inputs
+    _, final_state, kept = output
+    ctx.mark_non_differentiable(kept)
+    keep_state = keep_buffer = False  # only what the Triton launches read
+    if mode != "torch":
+        plan = plan_of(**_named(*arrays), cu_seqlens=cu, scale=scale, reverse=reverse)
+        keep_state = triton_launch.needs_final_state(plan, mode)
+        keep_buffer = _kept_name(plan, mode) is not None
+    ctx.save_for_backward(*arrays, cu, final_state if keep_state else None,
+                          kept if keep_buffer else None)
     ctx.scale, ctx.reverse, ctx.mode = scale, reverse, mode
     ctx.set_materialize_grads(False)  # an unused output's cotangent stays None: less work
 
 
-def _backward(ctx, do, dfinal_state):
-    *inputs, cu, final_state = ctx.saved_tensors
-    args = (*inputs, cu, final_state, do, dfinal_state)
+def _backward(ctx, do, dfinal_state, _dkept):
+    *inputs, cu, final_state, kept = ctx.saved_tensors
+    args = (*inputs, cu, final_state, kept, do, dfinal_state)
     if dtensor.is_dtensor(inputs[0]):  # each rank's shards, as the forward ran them
-        names = (*dtensor.ARGS, "final_state", "do", "dfinal_state")
-        present = [(n, x) for n, x in zip(dtensor.ARGS, inputs) if x is not None]
+        names = (*contract.ARGS, "final_state", "A", "do", "dfinal_state")  # A: see dtensor
+        present = [(n, x) for n, x in zip(contract.ARGS, inputs) if x is not None]
         got = iter(dtensor.local_map(
             lambda *a: bwd(*a, ctx.scale, ctx.reverse, ctx.mode), inputs[0],
             list(zip(names, args)), present))
@@ -208,7 +225,7 @@ def _backward(ctx, do, dfinal_state):
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
 if dtensor.DTensor:
-    dtensor.register_fwd_sharding(fwd._opoverload)
+    dtensor.register_fwd_sharding(torch_internals.overload(fwd))
 
 
 # ---------------------------------------------------------------- autocast
@@ -220,16 +237,16 @@ def _autocast_kernel(device_type):
     """q, k, v in the autocast dtype; gates and states in float32; then the op with this
     autocast key excluded. The casts are recorded by autograd, so gradients come back in
     each input's own dtype."""
-    key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
-    excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+    key = torch_internals.autocast_key(device_type)
+    op = torch_internals.overload(fwd)
 
     def kernel(_keyset, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale,
                reverse, mode):
         low = torch.get_autocast_dtype(device_type)
         to_low = lambda x: x.to(low) if x.dtype == torch.float32 else x
         to_32 = lambda x: None if x is None else x.float() if x.dtype in _LOW else x
-        with torch._C._ExcludeDispatchKeyGuard(excluded):
-            return fwd._opoverload(to_low(q), to_low(k), to_low(v), *map(to_32, (
+        with torch_internals.excluding(key):
+            return op(to_low(q), to_low(k), to_low(v), *map(to_32, (
                 g, gk, gv, g_gamma, initial_state)), cu_seqlens, scale, reverse, mode)
 
     _LIB.impl("fwd", kernel, key, with_keyset=True)
@@ -275,8 +292,12 @@ def _fwd_vmap(info, in_dims, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seql
         shift = torch.arange(X, dtype=cu_seqlens.dtype, device=cu_seqlens.device)[:, None] * T
         cu_seqlens = torch.cat([(cu_seqlens[None, :-1] + shift).reshape(-1),
                                 cu_seqlens.new_full((1,), X * T)])
-    o, final_state = fwd(*tokens, g_gamma, initial_state, cu_seqlens, scale, reverse, mode)
-    return (o.reshape(X, B, T, *o.shape[2:]), final_state.reshape(X, N, *final_state.shape[1:])), (0, 0)
+    o, final_state, kept = fwd(*tokens, g_gamma, initial_state, cu_seqlens, scale, reverse,
+                               mode)
+    # kept is token-shaped (A [B,T,H,BT], or [B,0,H,0] for nothing): unfolded like o
+    t = kept.shape[1] if cu_seqlens is None else kept.shape[1] // X
+    return (o.reshape(X, B, T, *o.shape[2:]), final_state.reshape(X, N, *final_state.shape[1:]),
+            kept.reshape(X, B, t, *kept.shape[2:])), (0, 0, 0)
 
 
 # ---------------------------------------------------------------- CUDA: triton_op
@@ -287,24 +308,25 @@ def _fwd_vmap(info, in_dims, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seql
 def triton_fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tensor],
                gv: Optional[Tensor], g_gamma: Optional[Tensor],
                initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
-               reverse: bool, mode: str) -> tuple[Tensor, Tensor]:
+               reverse: bool, mode: str) -> tuple[Tensor, Tensor, Tensor]:
     inputs = _named(q, k, v, g, gk, gv, g_gamma, initial_state)
     plan = plan_of(**inputs, cu_seqlens=cu_seqlens, scale=scale, reverse=reverse)
-    return triton_launch.forward(plan, mode, inputs, cu_seqlens, wrap=True)
+    o, final_state, kept = triton_launch.forward(plan, mode, inputs, cu_seqlens, wrap=True)
+    return o, final_state, _nothing_kept(q) if kept is None else kept
 
 
 @torch.library.triton_op("gla_bridge::triton_bwd", mutates_args=())
 def triton_bwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tensor],
                gv: Optional[Tensor], g_gamma: Optional[Tensor],
                initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
-               final_state: Optional[Tensor], do: Optional[Tensor],
+               final_state: Optional[Tensor], kept: Optional[Tensor], do: Optional[Tensor],
                dfinal_state: Optional[Tensor], scale: float, reverse: bool,
                mode: str) -> list[Tensor]:
     inputs = _named(q, k, v, g, gk, gv, g_gamma, initial_state)
     plan = plan_of(**inputs, cu_seqlens=cu_seqlens, scale=scale, reverse=reverse)
-    got = triton_launch.backward(plan, mode, inputs, cu_seqlens, final_state, do,
+    got = triton_launch.backward(plan, mode, inputs, cu_seqlens, final_state, kept, do,
                                  dfinal_state, wrap=True)
-    got = [got[n] for n in grads.INPUTS if inputs[n] is not None]
+    got = [got[n] for n in contract.INPUTS if inputs[n] is not None]
     # g and gk share one gate-gradient buffer; outputs may not alias each other
     return [d.clone() if any(d is e for e in got[:i]) else d for i, d in enumerate(got)]
 
@@ -313,10 +335,8 @@ def _decompose(into):
     """Under AOTDispatch's functionalization, a Triton-mode call on CUDA becomes the
     triton_op (whose wrap_triton launches Inductor compiles); export keeps gla_bridge::fwd."""
     def rule(mode, op, types, args, kwargs):
-        from torch.export._trace import custom_triton_ops_decomposition_disabled
-
         if (args[-1] == "torch" or args[0].device.type != "cuda"
-                or custom_triton_ops_decomposition_disabled()):
+                or torch_internals.triton_decomposition_disabled()):
             return mode.__torch_dispatch__(op, types, args, kwargs)
         with mode:
             return into(*args, **kwargs)
@@ -324,7 +344,7 @@ def _decompose(into):
 
 
 if CUDA_TRITON:
-    from torch._subclasses.functional_tensor import FunctionalTensorMode
-
-    fwd.register_torch_dispatch(FunctionalTensorMode, _decompose(triton_fwd))
-    bwd.register_torch_dispatch(FunctionalTensorMode, _decompose(triton_bwd))
+    fwd.register_torch_dispatch(torch_internals.functional_tensor_mode(),
+                                _decompose(triton_fwd))
+    bwd.register_torch_dispatch(torch_internals.functional_tensor_mode(),
+                                _decompose(triton_bwd))

@@ -12,14 +12,15 @@ context-parallel path (torch_side/context.py) over that mesh dimension's process
 
 import torch.distributed as dist
 
+from bridge.contract import ARGS, PER_SEQUENCE, PER_TOKEN
+
 if dist.is_available():
     from torch.distributed.tensor import DTensor, Replicate, Shard
 else:  # a torch built without distributed: nothing is a DTensor
     DTensor = ()
 
-ARGS = ("q", "k", "v", "g", "gk", "gv", "g_gamma", "initial_state", "cu_seqlens")
-TOKENS = ("q", "k", "v", "g", "gk", "gv", "do")
-STATES = ("initial_state", "final_state", "dfinal_state")
+# the op's kept buffer is placed by the name of the only one a family keeps, chunk's A
+# (torch_side/triton_launch.kept); where a mode keeps nothing, its [B,0,H,0] stand-in too
 
 
 def is_dtensor(x) -> bool:
@@ -30,12 +31,12 @@ def placement(name, ndim, strategy, packed=False):
     """The placement of argument `name` (`ndim` dims) on a mesh dimension running
     `strategy` ("batch", "head", "time" or "replicate"); `packed`: token arguments come as
     [total, H, *] instead of [B, T, H, *]."""
-    if name in TOKENS:
+    if name in PER_TOKEN:
         dim = {"batch": 0, "time": 1, "head": 2}.get(strategy)
         return Replicate() if dim is None else Shard(dim - packed)
     if strategy not in ("batch", "head") or name == "cu_seqlens":
         return Replicate()
-    if name in STATES:
+    if name in PER_SEQUENCE:
         return Shard(0 if strategy == "batch" else 1)
     if name == "g_gamma":  # [H] or [N, H]
         if ndim == 1:
@@ -53,8 +54,11 @@ def strategies_of(q):
 
 
 def register_fwd_sharding(op):
-    """Sharding strategies of gla_bridge::fwd (its arguments: ARGS, scale, reverse, mode)."""
+    """Sharding strategies of gla_bridge::fwd (its arguments: ARGS, scale, reverse, mode;
+    its outputs o, final_state and the kept buffer, token-shaped in every mode)."""
     from torch.distributed.tensor.experimental import register_sharding
+
+    from . import torch_internals
 
     @register_sharding(op)
     def fwd_strategies(*args):
@@ -65,9 +69,13 @@ def register_fwd_sharding(op):
                 continue  # cu_seqlens means B = 1: nothing to split
             ins = [None if x is None else placement(n, x.ndim, strategy)
                    for n, x in zip(ARGS, tensors)]
-            outs = [placement("q", 4, strategy), placement("final_state", 4, strategy)]
+            outs = [placement("q", 4, strategy), placement("final_state", 4, strategy),
+                    placement("A", 4, strategy)]
             found.append((outs, ins + [None] * (len(args) - len(ARGS))))
         return found
+
+    # scale, reverse and mode (after ARGS) set the outputs' shapes and dtypes too
+    torch_internals.shard_cache_keyed_from(op, len(ARGS))
 
 
 def local_map(fn, like, named, outputs):
@@ -135,7 +143,7 @@ def context_parallel_call(recurrent, mesh_dim, q, k, v, **kw):
         if is_dtensor(x):
             # an input whole on every rank of the time dimension gets this rank's share
             # of its gradient there: Partial, summed when DTensor reduces it
-            grad = [Partial() if s == "time" and n not in TOKENS else p
+            grad = [Partial() if s == "time" and n not in PER_TOKEN else p
                     for s, p in zip(strategies, want)]
             return x.redistribute(mesh, want).to_local(grad_placements=grad)
         # every rank holds the whole plain tensor: its own shard, no communication

@@ -10,12 +10,21 @@ ejkernel's platform names: "cuda" means "triton" on CUDA tensors (a ValueError o
 others); "xla", "pallas", "tilelang", "cute" are ValueErrors that say what to use.
 `query`, `key`, `value` are accepted for q, k, v (ejkernel's names).
 
-Every call takes `bridge.dispatch`'s steps (check, route, batched layout), then runs one
-`gla_bridge::fwd` custom op (torch_side/custom_ops.py), which owns autograd, fake
-tensors, autocast and vmap: torch.compile(fullgraph=True) and torch.export see one node.
-An eager call with nothing for the op to do (no autograd recording, no tracing, no
-autocast, plain tensors: `custom_ops.direct`) runs the op's body itself, skipping the
-dispatcher, which costs more than a decoding step's recurrence.
+Every call goes prepare -> strategy -> run, as jax_side.ops does:
+
+  prepare   `bridge.dispatch.prepare` checks the arguments once (the contract; the Plan)
+            and resolves the platform and kernel, then the inputs take the batched layout
+            (`_prepare`);
+  strategy  "direct": eager, with nothing for the op to do (no autograd recording, no
+            tracing, no autocast, plain tensors: `custom_ops.direct`), the op's body
+            itself, skipping the dispatcher, which costs more than a decoding step's
+            recurrence; "op": one `gla_bridge::fwd` custom op (torch_side/custom_ops.py),
+            which owns autograd, fake tensors, autocast, vmap and batch/head-sharded
+            DTensors (torch.compile(fullgraph=True) and torch.export see one node);
+            either one runs inside the context-parallel combine with `context_group`; a
+            DTensor q sharded on time re-enters `recurrent` on each rank's shards with
+            its mesh dimension as the group (torch_side/dtensor.py);
+  run       `_run`: o back in the caller's layout.
 
 `context_group` (a torch.distributed ProcessGroup): the inputs are this rank's slice of
 the time axis, and the call runs context-parallel over the group (torch_side/context.py;
@@ -27,7 +36,7 @@ context-parallel path over that mesh dimension.
 import torch
 
 from bridge import contract, dispatch, variants
-from . import context, custom_ops, dtensor, triton_launch
+from . import context, custom_ops, dtensor, torch_internals, triton_launch
 
 PLATFORMS = ("auto", "triton", "torch")
 
@@ -44,56 +53,82 @@ def recurrent(q=None, k=None, v=None, g=None, g_gamma=None, gk=None, gv=None,
         q, k, v = variants.take_aliases(q, k, v, query, key, value)
     inputs = dict(q=q, k=k, v=v, g=g, gk=gk, gv=gv, g_gamma=g_gamma,
                   initial_state=initial_state)
-    # eager, nothing to record: the op's body itself on the Plan checked below (the
-    # dispatcher costs more than a decoding step's recurrence). Such inputs are plain
-    # tensors that nothing traces: no DTensor or tracing case below applies to them
+    # the strategy (module doc). Direct inputs are plain tensors that nothing traces: no
+    # DTensor or tracing case applies to them
     direct = custom_ops.direct(inputs, cu_seqlens)
-    if not direct:
-        time_sharded = dtensor.time_sharded(q)
-        if time_sharded is not None:
-            if context_group is not None:
-                raise ValueError("context_group: a time-sharded DTensor q brings its own "
-                                 "group (its mesh dimension); give one or the other")
-            return dtensor.context_parallel_call(
-                recurrent, time_sharded, q, k, v, g=g, g_gamma=g_gamma, gk=gk, gv=gv,
-                softmax_scale=softmax_scale, initial_state=initial_state, reverse=reverse,
-                cu_seqlens=cu_seqlens, platform=platform, mode=mode)
+    time_sharded = None if direct else dtensor.time_sharded(q)
+    if time_sharded is not None:
+        if context_group is not None:
+            raise ValueError("context_group: a time-sharded DTensor q brings its own "
+                             "group (its mesh dimension); give one or the other")
+        return dtensor.context_parallel_call(
+            recurrent, time_sharded, q, k, v, g=g, g_gamma=g_gamma, gk=gk, gv=gv,
+            softmax_scale=softmax_scale, initial_state=initial_state, reverse=reverse,
+            cu_seqlens=cu_seqlens, platform=platform, mode=mode)
+    call, inputs, cu_seqlens = _prepare(
+        inputs, cu_seqlens, direct=direct, context_group=context_group,
+        softmax_scale=softmax_scale, reverse=reverse, platform=platform, mode=mode)
+    return _run(call, inputs, cu_seqlens, direct=direct, context_group=context_group)
+
+
+def _prepare(inputs, cu_seqlens, *, direct, context_group, softmax_scale, reverse,
+             platform, mode):
+    """Check the call once (contract, device) and lay `inputs` out for the op: (the
+    dispatch Call, the arrays by name in the batched layout, contiguous, and cu_seqlens;
+    DTensors where q is one). cu_seqlens values are read where they are concrete, once:
+    by the contract here on the direct path; on the op path by the op where it reads them
+    (`custom_ops.checks_offsets`: under torch.compile or torch.func the op is the first
+    place they are concrete), else here; with `context_group` they are the global
+    offsets, checked here against all slices."""
     if context_group is not None:
         P = context.group_size_rank(context_group)[0]  # a bad group fails first
     compiling = not direct and torch.compiler.is_compiling()
-    # with context_group, cu_seqlens are the global offsets: checked against all slices.
-    # Values traced (torch.compile, torch.func transforms): the contract checks only
-    # their shape (SPEC: cu_seqlens values checked when known)
-    global_cu = context_group is not None and cu_seqlens is not None
     traced = cu_seqlens is not None and not direct and (
-        compiling or torch._C._functorch.peek_interpreter_stack() is not None)
+        compiling or torch_internals.transform_active())
+    shape_only = cu_seqlens is not None and (not direct or context_group is not None)
     call = dispatch.prepare(
         inputs, softmax_scale=softmax_scale, reverse=reverse,
-        cu_seqlens=contract.ShapeOnly(cu_seqlens) if global_cu or traced else cu_seqlens,
+        cu_seqlens=contract.ShapeOnly(cu_seqlens) if shape_only else cu_seqlens,
         platform=platform, mode=mode, platforms=PLATFORMS, fallback="torch",
-        gpu=getattr(q, "is_cuda", False), memo=not compiling)
+        gpu=getattr(inputs["q"], "is_cuda", False), memo=not compiling)
     plan = call.plan
-    if global_cu and not traced:
-        contract.check_offsets(cu_seqlens, P * plan.T)
+    if shape_only and not traced:
+        if context_group is not None:
+            contract.check_offsets(cu_seqlens, P * plan.T)
+        elif not custom_ops.checks_offsets(call.kernel, cu_seqlens):
+            contract.check_offsets(cu_seqlens, plan.T)
     if call.platform == "triton":
-        triton_launch.check_device(q)
-    if not direct and dtensor.is_dtensor(q):  # plain tensors beside DTensors: the whole value
-        inputs = dtensor.promote(q, dict(inputs, cu_seqlens=cu_seqlens))
+        triton_launch.check_device(inputs["q"])
+    if not direct and dtensor.is_dtensor(inputs["q"]):
+        # plain tensors beside DTensors: the whole value
+        inputs = dtensor.promote(inputs["q"], dict(inputs, cu_seqlens=cu_seqlens))
         cu_seqlens = inputs.pop("cu_seqlens")
     if plan.packed:  # (else `inputs` is already in the batched layout)
         inputs = dispatch.batched(plan, inputs, lambda x: x.unsqueeze(0))
-    inputs = {n: None if x is None else x.contiguous() for n, x in inputs.items()}
-    if direct and context_group is None:  # on the Plan checked above
-        o, final_state = custom_ops.run(plan, call.kernel, inputs, cu_seqlens)
+    return call, {n: None if x is None else x.contiguous() for n, x in inputs.items()}, \
+        cu_seqlens
+
+
+def _run(call, inputs, cu_seqlens, *, direct, context_group):
+    """The strategy's forward on the prepared inputs: (o in the caller's layout,
+    final_state). The op's third output, the buffer its backward reuses, stays with
+    autograd."""
+    plan, kernel = call.plan, call.kernel
+    if direct and context_group is None:  # a decoding step's path: nothing around it
+        o, final_state, _ = custom_ops.forward(plan, kernel, inputs, cu_seqlens)
         return dispatch.unbatched(plan, o), final_state
-    options = dict(scale=plan.scale, reverse=plan.reverse, mode=call.kernel)
-    if context_group is not None:
-        op = custom_ops.forward if direct else custom_ops.fwd
-        o, final_state = context.context_parallel(
-            lambda inputs, cu_seqlens: op(**inputs, cu_seqlens=cu_seqlens, **options),
-            context_group, inputs, cu_seqlens, plan.scale, plan.reverse)
+
+    def local(inputs, cu_seqlens):  # (o, final_state) of this rank's pass
+        if direct:  # on the Plan checked above (a context slice has the same shapes)
+            return custom_ops.forward(plan, kernel, inputs, cu_seqlens)[:2]
+        return custom_ops.fwd(**inputs, cu_seqlens=cu_seqlens, scale=plan.scale,
+                              reverse=plan.reverse, mode=kernel)[:2]
+
+    if context_group is None:
+        o, final_state = local(inputs, cu_seqlens)
     else:
-        o, final_state = custom_ops.fwd(**inputs, cu_seqlens=cu_seqlens, **options)
+        o, final_state = context.context_parallel(local, context_group, inputs, cu_seqlens,
+                                                  plan.scale, plan.reverse)
     return dispatch.unbatched(plan, o), final_state
 
 
