@@ -94,9 +94,10 @@ class Plan:
         is False: the arrays are batched already."""
         q, k, v = arrays["q"], arrays["k"], arrays["v"]
         g, g_gamma = arrays.get("g"), arrays.get("g_gamma")
-        B, T, H, K = (int(s) for s in q.shape)
-        return cls(B=B, T=T, H=H, Hk=int(k.shape[2]), K=K, V=int(v.shape[3]),
-                   N=B if cu_seqlens is None else int(cu_seqlens.shape[0]) - 1,
+        # sizes as the framework gives them: symbolic under torch.compile's dynamic shapes
+        B, T, H, K = q.shape
+        return cls(B=B, T=T, H=H, Hk=k.shape[2], K=K, V=v.shape[3],
+                   N=B if cu_seqlens is None else cu_seqlens.shape[0] - 1,
                    g="none" if g is None else "head" if len(g.shape) == 3 else "key",
                    gk=arrays.get("gk") is not None, gv=arrays.get("gv") is not None,
                    g_gamma="none" if g_gamma is None else "head" if len(g_gamma.shape) == 1

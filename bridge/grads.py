@@ -6,9 +6,6 @@ both pass through. Buffers (batched layout): dq, dk_h, dv_h per query head
 [B,T,H] (or partial sums [NK,B,T,H]), db [B,T,H,V], dgamma [N,H], d_initial_state [N,H,K,V].
 """
 
-# torch_side still imports INPUTS from here; its home is bridge.contract
-from .contract import INPUTS  # noqa: F401
-
 BUFFERS = ("dq", "dk_h", "dv_h", "da", "dg_head", "db", "dgamma", "d_initial_state")
 
 

@@ -258,24 +258,27 @@ def test_autocast_policy_on_the_op():
 
 
 # ---------------------------------------------------------------- vmap
-@pytest.mark.parametrize("name", ["gk", "g3d_gamma_seq_varlen"])
-def test_vmap_folds_into_the_batch(name):
-    """torch.func.vmap over a leading axis (q, k, v and the gate mapped, the rest shared)
+@pytest.mark.parametrize("name,extra", [("gk", ()), ("g3d_gamma_seq_varlen", ()),
+                                        ("grouped", ()), ("grouped", ("g_gamma",)),
+                                        ("gv_reverse_h0", ("initial_state",))])
+def test_vmap_folds_into_the_batch(name, extra):
+    """torch.func.vmap over a leading axis (q, k, v, the gate and `extra` mapped, the rest
+    shared: a shared g_gamma [H] stays one row, a mapped one becomes one per sequence)
     equals a loop of calls."""
     t, cu, reverse, _ = _case(name)
     X = 3
-    gate = "gk" if name == "gk" else "g"
-    mapped = {n: torch.stack([_case(name, seed=8 + i)[0][n] for i in range(X)])
-              for n in ("q", "k", "v", gate)}
+    gate = {"gk": "gk", "gv_reverse_h0": "gv"}.get(name, "g")
+    names = ("q", "k", "v", gate, *extra)
+    mapped = {n: torch.stack([_case(name, seed=8 + i)[0][n] for i in range(X)]) for n in names}
     shared = {n: x for n, x in t.items() if n not in mapped}
 
-    def f(q, k, v, gate_x):
-        return torch_side.recurrent(q, k, v, **{gate: gate_x}, **shared, reverse=reverse,
+    def f(*xs):
+        return torch_side.recurrent(**dict(zip(names, xs)), **shared, reverse=reverse,
                                     cu_seqlens=cu, platform="torch")
 
-    o, s = torch.func.vmap(f)(mapped["q"], mapped["k"], mapped["v"], mapped[gate])
+    o, s = torch.func.vmap(f)(*(mapped[n] for n in names))
     for i in range(X):
-        o_i, s_i = f(*(mapped[n][i] for n in ("q", "k", "v", gate)))
+        o_i, s_i = f(*(mapped[n][i] for n in names))
         assert rel_err(o[i], o_i) < TOL and rel_err(s[i], s_i) < TOL
 
 

@@ -48,19 +48,6 @@ MODES = ("torch", "chunk", "fused_recurrent")
 CUDA_TRITON = not INTERPRETED and torch.cuda.is_available()
 
 
-def plan_of(*, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, reverse):
-    """The contract's Plan of already-checked inputs in the batched layout (shapes only)."""
-    B, T, H, K = q.shape
-    return contract.Plan(
-        B=B, T=T, H=H, Hk=k.shape[2], K=K, V=v.shape[3],
-        N=B if cu_seqlens is None else cu_seqlens.shape[0] - 1,
-        g="none" if g is None else "head" if g.dim() == 3 else "key",
-        gk=gk is not None, gv=gv is not None,
-        g_gamma="none" if g_gamma is None else "head" if g_gamma.dim() == 1 else "seq",
-        initial_state=initial_state is not None, scale=scale, reverse=reverse,
-        varlen=cu_seqlens is not None, packed=False, dtype=contract.dtype_name(q))
-
-
 def _named(*arrays) -> dict:
     """The op's array arguments (schema order, `contract.INPUTS`) by name, as every layer
     below takes them."""
@@ -146,7 +133,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tenso
     if checks_offsets(mode, cu_seqlens):
         contract.check_offsets(cu_seqlens, q.shape[1])
     inputs = _named(q, k, v, g, gk, gv, g_gamma, initial_state)
-    plan = plan_of(**inputs, cu_seqlens=cu_seqlens, scale=scale, reverse=reverse)
+    plan = contract.Plan.of_batched(inputs, cu_seqlens, scale=scale, reverse=reverse)
     o, final_state, kept = forward(plan, mode, inputs, cu_seqlens)
     return o, final_state, _nothing_kept(q) if kept is None else kept
 
@@ -159,8 +146,8 @@ def _fwd_fake(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, rev
     wide = mode == "torch" and q.dtype == torch.float64
     kept = None
     if mode != "torch":
-        plan = plan_of(**_named(q, k, v, g, gk, gv, g_gamma, initial_state),
-                       cu_seqlens=cu_seqlens, scale=scale, reverse=reverse)
+        plan = contract.Plan.of_batched(_named(q, k, v, g, gk, gv, g_gamma, initial_state),
+                                        cu_seqlens, scale=scale, reverse=reverse)
         kept = triton_launch.kept_like(plan, mode, q)
     return (q.new_empty(B, T, H, V),
             q.new_empty(N, H, K, V, dtype=torch.float64 if wide else torch.float32),
@@ -175,7 +162,7 @@ def bwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tenso
         mode: str) -> list[Tensor]:
     _check_mode(mode)
     inputs = _named(q, k, v, g, gk, gv, g_gamma, initial_state)
-    plan = plan_of(**inputs, cu_seqlens=cu_seqlens, scale=scale, reverse=reverse)
+    plan = contract.Plan.of_batched(inputs, cu_seqlens, scale=scale, reverse=reverse)
     with torch_internals.no_autocast(q):
         if mode == "torch":
             got = recurrent_native_backward(plan, inputs, cu_seqlens, do, dfinal_state)
@@ -200,7 +187,7 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(kept)
     keep_state = keep_buffer = False  # only what the Triton launches read
     if mode != "torch":
-        plan = plan_of(**_named(*arrays), cu_seqlens=cu, scale=scale, reverse=reverse)
+        plan = contract.Plan.of_batched(_named(*arrays), cu, scale=scale, reverse=reverse)
         keep_state = triton_launch.needs_final_state(plan, mode)
         keep_buffer = _kept_name(plan, mode) is not None
     ctx.save_for_backward(*arrays, cu, final_state if keep_state else None,
@@ -272,32 +259,30 @@ def _fwd_vmap(info, in_dims, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seql
             return None
         return x.movedim(d, 0) if d is not None else x.expand(X, *x.shape)
 
-    tokens = [lead(x, d) for x, d in zip((q, k, v, g, gk, gv), in_dims[:6])]
-    B, T = tokens[0].shape[1:3]
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    if g_gamma is not None and (in_dims[6] is not None or g_gamma.dim() == 2):
-        gam = lead(g_gamma, in_dims[6])  # [X,H] or [X,N,H] -> one row per folded sequence
-        if gam.dim() == 2:
-            gam = gam[:, None].expand(X, N, gam.shape[-1])
-        g_gamma = gam.reshape(X * N, -1).contiguous()
-    if initial_state is not None:
-        initial_state = lead(initial_state, in_dims[7]).reshape(X * N, *initial_state.shape[-3:])
-        initial_state = initial_state.contiguous()
-    if cu_seqlens is None:
-        tokens = [None if x is None else x.reshape(X * B, *x.shape[2:]).contiguous()
-                  for x in tokens]
-    else:
-        tokens = [None if x is None else x.reshape(1, X * T, *x.shape[3:]).contiguous()
-                  for x in tokens]
+    arrays = _named(q, k, v, g, gk, gv, g_gamma, initial_state)
+    mapped = {n: lead(x, d) for (n, x), d in zip(arrays.items(), in_dims)}
+    one = contract.Plan.of_batched({n: None if x is None else x[0] for n, x in mapped.items()},
+                                   cu_seqlens, scale=scale, reverse=reverse)
+    # an unmapped g_gamma [H] stays one row shared by every problem
+    plan = one.folded(X, gamma_per_sequence=in_dims[6] is not None or one.g_gamma == "seq")
+    folded = {n: None if x is None else x.reshape(plan.shape(n)).contiguous()
+              for n, x in mapped.items() if n in (*contract.TOKENS, "initial_state")}
+    if plan.g_gamma == "seq":
+        gam = mapped["g_gamma"]  # [X,H] or [X,N,H] -> one row per folded sequence
+        if one.g_gamma == "head":
+            gam = gam[:, None].expand(X, one.N, one.H)
+        g_gamma = gam.reshape(plan.shape("g_gamma")).contiguous()
+    if cu_seqlens is not None:
+        T = one.T
         shift = torch.arange(X, dtype=cu_seqlens.dtype, device=cu_seqlens.device)[:, None] * T
         cu_seqlens = torch.cat([(cu_seqlens[None, :-1] + shift).reshape(-1),
                                 cu_seqlens.new_full((1,), X * T)])
-    o, final_state, kept = fwd(*tokens, g_gamma, initial_state, cu_seqlens, scale, reverse,
-                               mode)
+    o, final_state, kept = fwd(*(folded[n] for n in contract.TOKENS), g_gamma,
+                               folded["initial_state"], cu_seqlens, scale, reverse, mode)
     # kept is token-shaped (A [B,T,H,BT], or [B,0,H,0] for nothing): unfolded like o
     t = kept.shape[1] if cu_seqlens is None else kept.shape[1] // X
-    return (o.reshape(X, B, T, *o.shape[2:]), final_state.reshape(X, N, *final_state.shape[1:]),
-            kept.reshape(X, B, t, *kept.shape[2:])), (0, 0, 0)
+    return (o.reshape(X, *one.shape("o")), final_state.reshape(X, *one.shape("final_state")),
+            kept.reshape(X, one.B, t, *kept.shape[2:])), (0, 0, 0)
 
 
 # ---------------------------------------------------------------- CUDA: triton_op
@@ -310,7 +295,7 @@ def triton_fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optiona
                initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
                reverse: bool, mode: str) -> tuple[Tensor, Tensor, Tensor]:
     inputs = _named(q, k, v, g, gk, gv, g_gamma, initial_state)
-    plan = plan_of(**inputs, cu_seqlens=cu_seqlens, scale=scale, reverse=reverse)
+    plan = contract.Plan.of_batched(inputs, cu_seqlens, scale=scale, reverse=reverse)
     o, final_state, kept = triton_launch.forward(plan, mode, inputs, cu_seqlens, wrap=True)
     return o, final_state, _nothing_kept(q) if kept is None else kept
 
@@ -323,7 +308,7 @@ def triton_bwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optiona
                dfinal_state: Optional[Tensor], scale: float, reverse: bool,
                mode: str) -> list[Tensor]:
     inputs = _named(q, k, v, g, gk, gv, g_gamma, initial_state)
-    plan = plan_of(**inputs, cu_seqlens=cu_seqlens, scale=scale, reverse=reverse)
+    plan = contract.Plan.of_batched(inputs, cu_seqlens, scale=scale, reverse=reverse)
     got = triton_launch.backward(plan, mode, inputs, cu_seqlens, final_state, kept, do,
                                  dfinal_state, wrap=True)
     got = [got[n] for n in contract.INPUTS if inputs[n] is not None]

@@ -36,7 +36,8 @@ context-parallel path over that mesh dimension.
 import torch
 
 from bridge import contract, dispatch, variants
-from . import context, custom_ops, dtensor, torch_internals, triton_launch
+from bridge.kernels import INTERPRETED
+from . import context, custom_ops, dtensor, torch_internals
 
 PLATFORMS = ("auto", "triton", "torch")
 
@@ -98,7 +99,7 @@ def _prepare(inputs, cu_seqlens, *, direct, context_group, softmax_scale, revers
         elif not custom_ops.checks_offsets(call.kernel, cu_seqlens):
             contract.check_offsets(cu_seqlens, plan.T)
     if call.platform == "triton":
-        triton_launch.check_device(inputs["q"])
+        _check_device(inputs["q"])
     if not direct and dtensor.is_dtensor(inputs["q"]):
         # plain tensors beside DTensors: the whole value
         inputs = dtensor.promote(inputs["q"], dict(inputs, cu_seqlens=cu_seqlens))
@@ -107,6 +108,17 @@ def _prepare(inputs, cu_seqlens, *, direct, context_group, softmax_scale, revers
         inputs = dispatch.batched(plan, inputs, lambda x: x.unsqueeze(0))
     return call, {n: None if x is None else x.contiguous() for n, x in inputs.items()}, \
         cu_seqlens
+
+
+def _check_device(q):
+    """ValueError unless the Triton kernels can run on q's device (before any launch)."""
+    if q.device.type == "cpu" and not INTERPRETED:
+        raise ValueError("q: platform='triton' on CPU tensors needs the Triton interpreter; "
+                         "set TRITON_INTERPRET=1 before anything imports triton, or use "
+                         "platform='torch'")
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"q: platform='triton' runs on CUDA (or CPU, interpreted) tensors, "
+                         f"got device {q.device}")
 
 
 def _run(call, inputs, cu_seqlens, *, direct, context_group):

@@ -14,21 +14,9 @@ autograd keeps, so the backward reads it instead of recomputing it.
 import torch
 
 from bridge import grads
-from bridge.kernels import INTERPRETED
 from bridge.kernels import family
 from bridge.launch import resolve_dtype
 from bridge.torch_runner import run
-
-
-def check_device(q):
-    """ValueError unless the Triton kernels can run on q's device (before any launch)."""
-    if q.device.type == "cpu" and not INTERPRETED:
-        raise ValueError("q: platform='triton' on CPU tensors needs the Triton interpreter; "
-                         "set TRITON_INTERPRET=1 before anything imports triton, or use "
-                         "platform='torch'")
-    if q.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"q: platform='triton' runs on CUDA (or CPU, interpreted) tensors, "
-                         f"got device {q.device}")
 
 
 def kept(plan, mode):
