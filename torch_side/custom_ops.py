@@ -117,11 +117,12 @@ def forward(plan, mode, inputs, cu_seqlens):
     """The forward of every call, the body of `fwd` and of ops.recurrent's direct calls:
     the torch path or the Triton launches on `inputs` (the arrays by name, as `_named`
     gives them) with their contract Plan (its scale and reverse are read, its `packed`
-    is not). Returns (o, final_state, the kept buffer or None)."""
-    with torch_internals.no_autocast(inputs["q"]):
-        if mode == "torch":
-            return (*recurrent_native(plan, **inputs, cu_seqlens=cu_seqlens), None)
-        return triton_launch.forward(plan, mode, inputs, cu_seqlens)
+    is not). Returns (o, final_state, the kept buffer or None). Autocast is off here: a
+    direct call has none (`direct`), the op turns it off around this."""
+    if mode == "torch":
+        o, final_state = recurrent_native(plan, **inputs, cu_seqlens=cu_seqlens)
+        return o, final_state, None
+    return triton_launch.forward(plan, mode, inputs, cu_seqlens)
 
 
 @torch.library.custom_op("gla_bridge::fwd", mutates_args=())
@@ -134,7 +135,8 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tenso
         contract.check_offsets(cu_seqlens, q.shape[1])
     inputs = _named(q, k, v, g, gk, gv, g_gamma, initial_state)
     plan = contract.Plan.of_batched(inputs, cu_seqlens, scale=scale, reverse=reverse)
-    o, final_state, kept = forward(plan, mode, inputs, cu_seqlens)
+    with torch_internals.no_autocast(q):
+        o, final_state, kept = forward(plan, mode, inputs, cu_seqlens)
     return o, final_state, _nothing_kept(q) if kept is None else kept
 
 

@@ -190,9 +190,10 @@ def _stepwise(plan, dtype, q, k, v, g, gk, gv, g_gamma, initial_state):
     S, own = (None if initial_state is None else wide(initial_state)), False
     o = torch.empty(T, B * H, 1, V, dtype=q.dtype, device=q.device)  # o[t]: a bmm's shape
     for t in (reversed(range(T)) if plan.reverse else range(T)):
-        a = key_decay(*(None if x is None else wide(x) for x in (  # [B, H, K or 1]
-            None if g is None else g.select(1, t).unsqueeze(-1) if plan.g == "head"
-            else g.select(1, t), None if gk is None else gk.select(1, t), gam)))
+        a = key_decay(  # [B, H, K or 1]
+            None if g is None else wide(g.select(1, t).unsqueeze(-1) if plan.g == "head"
+                                        else g.select(1, t)),
+            None if gk is None else wide(gk.select(1, t)), gam)
         for d, side in ((a, -1), (None if gv is None else wide(gv.select(1, t)), -2)):
             if d is not None and S is not None:
                 d = d.exp().unsqueeze(side)
