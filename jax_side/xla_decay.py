@@ -20,11 +20,10 @@ def local(a):
     Z, C, D = a.shape
     X = Z * C // SUB
     b = a.reshape(X, SUB, D)
-    # triangular matmuls: XLA CPU's cumulative sums (reduce-window) cost several times
-    # more; 16 unrolled running sums made the programs ~20% slower to compile (the test
-    # suite's time) for a forward gain lost in this VM's noise. The triangle is broadcast
-    # over the blocks (a batched dot): contracting the time axis of b directly made XLA
-    # transpose b to time-minor and the sums back, ~1/3 of the slab forward's time
+    # triangular matmuls, broadcast over the blocks as a batched dot: XLA CPU's cumulative
+    # sums (reduce-window) cost more, unrolled running sums cost compile time, and
+    # contracting b's time axis directly makes XLA transpose b to time-minor and back
+    # (figures: BENCHMARKS.md, "Tuning history of the CPU paths")
     ones = np.ones((SUB, SUB))
     tri = lambda m: jnp.broadcast_to(jnp.asarray(m, a.dtype), (X, SUB, SUB))  # noqa: E731
     alpha = jnp.einsum("xts,xsd->xtd", tri(np.tril(ones)), b).reshape(Z, C // SUB, SUB, D)
@@ -69,6 +68,6 @@ def level(alpha, beta, tau, h):
 
 
 def rowdot(x, y):
-    """sum(x * y, -1) with broadcasting, as a matrix-vector product: XLA CPU
-    runs minor-dim reductions about 3x slower than this dot."""
+    """sum(x * y, -1) with broadcasting, as a matrix-vector product: XLA CPU runs
+    minor-dim reductions slower than this dot."""
     return (x * y) @ jnp.ones((x.shape[-1],), x.dtype)

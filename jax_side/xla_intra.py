@@ -44,8 +44,8 @@ def tree_p(q, k, ka, scales=None):
         if scales is not None:
             scales.append((e_q, e_k))
         qf, kf = seg(q)[:, :, 1] * e_q, seg(k)[:, :, 0] * e_k
-        # every level a batched dot, the narrow ones too: unrolled products of h < 4
-        # ran the slab fwd+bwd ~7% slower (XLA CPU, (2,8,64,64))
+        # every level a batched dot, the narrow ones too (unrolled narrow products were
+        # slower: BENCHMARKS.md, "Tuning history of the CPU paths")
         cross = jnp.einsum("znik,znjk->znij", qf, kf)
         ch = p.reshape(Z, n, 2, h, h)
         p = jnp.concatenate([jnp.concatenate([ch[:, :, 0], jnp.zeros_like(cross)], -1),
