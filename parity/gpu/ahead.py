@@ -20,7 +20,12 @@ cap shows as "not warmed" rather than as a timing that includes autotuning.
 import os
 import time
 
-from . import fla
+from . import decode, fla, speed, varlen
+
+
+def fla_calls(plan):
+    """Every fla call the timed steps make: [(label, thunk)]."""
+    return speed.fla_calls(plan) + varlen.fla_calls(plan) + decode.fla_calls(plan)
 
 
 def run_calls(emit, deadline, plan, calls):
@@ -66,7 +71,7 @@ def fla_compile(emit, deadline, *, plan, worker, workers):
     if plan.dry:
         return {"stand_in": "fla's stand-ins have no autotuner: nothing to compile"}
     fla.subset(worker, workers)
-    return {"calls": run_calls(emit, deadline, plan, fla.calls(plan))}
+    return {"calls": run_calls(emit, deadline, plan, fla_calls(plan))}
 
 
 def fla_tune(emit, deadline, *, plan):
@@ -76,4 +81,4 @@ def fla_tune(emit, deadline, *, plan):
         return {"skipped": why}
     if plan.dry:
         return {"stand_in": "fla's stand-ins have no autotuner: nothing to tune"}
-    return {"calls": run_calls(emit, deadline, plan, fla.calls(plan))}
+    return {"calls": run_calls(emit, deadline, plan, fla_calls(plan))}

@@ -1,6 +1,6 @@
-"""flash-linear-attention (fla), the anchor: its ops (or their CPU stand-ins), the calls
-the timed steps make of it, and control of its autotuner (parity/gpu/ahead.py says how
-the kit warms it: compiled in parallel, tuned alone, never tuned inside a timing)."""
+"""flash-linear-attention (fla), the anchor: its ops (or their CPU stand-ins) and control
+of its autotuner (parity/gpu/ahead.py says how the kit warms it, with the calls the timed
+steps make of it: compiled in parallel, tuned alone, never tuned inside a timing)."""
 
 from .standins import FLA_STANDINS
 
@@ -42,9 +42,3 @@ def subset(i, n):
         return configs[i % len(configs)::n] or configs[:1]
     autotuner.Autotuner.prune_configs = pruned
 
-
-def calls(plan):
-    """Every fla call the timed steps make: [(label, thunk)]."""
-    from . import decode, speed, varlen
-
-    return speed.fla_calls(plan) + varlen.fla_calls(plan) + decode.fla_calls(plan)
