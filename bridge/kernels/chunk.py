@@ -47,14 +47,16 @@ def warps(name: str, plan) -> int:
     per-variant builds): the fewest with which it builds without register spills
     for sm_80 and sm_90 at K = V = 64 and 128, and 4 wherever a product is a
     64-row wgmma (more warps there duplicated the elementwise work feeding it).
-    fp32 products are FMA loops (no MMA) and need more threads."""
+    fp32 products are FMA loops (no MMA) and need more threads. dv with gv in 16
+    bits: 4 warps on DV_BV_GV columns (fewer instructions and spills than 8 warps on
+    64 columns, 2 CTAs per SM)."""
     fp32, gv = plan.dtype == "float32", plan.gv
     if name in ("chunk_state_kernel", "chunk_gate_kernel"):
         return 8 if fp32 else 4
     if name == "chunk_dqk_kernel":
         return 8 if fp32 else 4
     if name == "chunk_dv_kernel":
-        return 8 if fp32 or gv else 4
+        return 8 if fp32 or (gv and plan.dtype not in DV_BV) else 4
     return {"chunk_intra_kernel": 4, "chunk_output_kernel": 4, "chunk_dA_kernel": 8}[name]
 
 
@@ -72,6 +74,7 @@ def intra_bk(plan) -> int:
 
 
 DV_BV = {"bfloat16": 128, "float16": 128}  # one V block at V <= 128 (no scans redone)
+DV_BV_GV = 32  # with gv (16 bits): its value-side decay tiles beside the accumulators
 DQK_BK = 32  # [BT, 32] tiles: dq, dk, one level's factors and products fit in registers
 DQK_BK_WIDE = 16  # fp32: its FMA products hold whole operand rows per thread
 DQK_BV = 32  # V blocks of the state products: fewer loaded registers beside the accumulators
@@ -291,7 +294,10 @@ def backward_launches(plan, use_dht: bool, kept: tuple = ()) -> list:
                                      else "bfloat16")), consts,
         flops=2 * ns * H * BT * BT * V * (1 + (LEVELS + 1 if plan.gv else 0)),
         nbytes=tokens * (H + plan.Hk) * V * isz + tokens * H * BT * 4))
-    dv_bv = c["BV"] if plan.gv else min(DV_BV.get(plan.dtype, c["BV"]), max(16, next_pow2(V)))
+    if plan.gv:
+        dv_bv = min(c["BV"], DV_BV_GV) if plan.dtype in DV_BV else c["BV"]
+    else:
+        dv_bv = min(DV_BV.get(plan.dtype, c["BV"]), max(16, next_pow2(V)))
     launches.append(_launch(
         plan, chunk_dv_kernel, (ns, -(-V // dv_bv), H),
         dict(k="k", v="v", **gates, A="A", h="h", dh="dh", odo="odo" if plan.gv else None,
