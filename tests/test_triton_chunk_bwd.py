@@ -85,15 +85,16 @@ def test_long_sequence_strong_gates_bfloat16():
 
 
 def test_value_gate_over_several_value_blocks():
-    """With gv in 16 bits chunk_dv_kernel takes V in blocks of chunk.DV_BV_GV columns:
-    V = 80 is three blocks, the last one ragged, each with its own value-side decays."""
+    """With gv in 16 bits chunk_dA_kernel and chunk_dv_kernel take V in blocks of
+    chunk.GV_BV columns: V = 80 is three blocks, the last one ragged, each with its own
+    value-side decays."""
     case = C("gv-blocks", B=1, T=130, H=2, Hk=1, K=16, V=80, g="key", gv=True,
              initial_state=True)
     plan = contract.check(**cases.call_kwargs(case, cases.to_torch(
         backends.prepared(case, "bfloat16", 0), torch.bfloat16)))
-    dv = next(x for x in chunk.backward_launches(plan, True)
-              if x.kernel.__name__ == "chunk_dv_kernel")
-    assert dv.grid[1] == -(-80 // chunk.DV_BV_GV) == 3
+    bwd = {x.kernel.__name__: x for x in chunk.backward_launches(plan, True)}
+    assert bwd["chunk_dv_kernel"].grid[1] == -(-80 // chunk.GV_BV) == 3
+    assert bwd["chunk_dA_kernel"].constexprs["BV"] == chunk.GV_BV
     assert_close(run_case(case, "bfloat16"), "bfloat16")
 
 

@@ -47,17 +47,20 @@ def warps(name: str, plan) -> int:
     per-variant builds): the fewest with which it builds without register spills
     for sm_80 and sm_90 at K = V = 64 and 128, and 4 wherever a product is a
     64-row wgmma (more warps there duplicated the elementwise work feeding it).
-    fp32 products are FMA loops (no MMA) and need more threads. dv with gv in 16
-    bits: 4 warps on DV_BV_GV columns (fewer instructions and spills than 8 warps on
-    64 columns, 2 CTAs per SM)."""
+    fp32 products are FMA loops (no MMA) and need more threads. dA and dv with gv in
+    16 bits: 4 warps on GV_BV columns (no spills and 2 CTAs per SM; 8 warps on 64
+    columns ran 1 CTA, and dv spilled)."""
     fp32, gv = plan.dtype == "float32", plan.gv
+    gv16 = gv and plan.dtype in DV_BV
     if name in ("chunk_state_kernel", "chunk_gate_kernel"):
         return 8 if fp32 else 4
     if name == "chunk_dqk_kernel":
         return 8 if fp32 else 4
     if name == "chunk_dv_kernel":
-        return 8 if fp32 or (gv and plan.dtype not in DV_BV) else 4
-    return {"chunk_intra_kernel": 4, "chunk_output_kernel": 4, "chunk_dA_kernel": 8}[name]
+        return 8 if fp32 or (gv and not gv16) else 4
+    if name == "chunk_dA_kernel":
+        return 4 if gv16 else 8
+    return {"chunk_intra_kernel": 4, "chunk_output_kernel": 4}[name]
 
 
 def stages(name: str, plan) -> int:
@@ -74,7 +77,7 @@ def intra_bk(plan) -> int:
 
 
 DV_BV = {"bfloat16": 128, "float16": 128}  # one V block at V <= 128 (no scans redone)
-DV_BV_GV = 32  # with gv (16 bits): its value-side decay tiles beside the accumulators
+GV_BV = 32  # dA's and dv's V block with gv in 16 bits: its decay tiles beside the accumulators
 DQK_BK = 32  # [BT, 32] tiles: dq, dk, one level's factors and products fit in registers
 DQK_BK_WIDE = 16  # fp32: its FMA products hold whole operand rows per thread
 DQK_BV = 32  # V blocks of the state products: fewer loaded registers beside the accumulators
@@ -286,16 +289,17 @@ def backward_launches(plan, use_dht: bool, kept: tuple = ()) -> list:
     # the scan table (chunk_bwd.scan_matrix): in q's dtype for 16-bit inputs, else
     # bf16 (its products run on tensor cores: fp32 values go in as 3 exact pieces)
     n_scan = 2 * LEVELS + 3
+    gv_bv = min(c["BV"], GV_BV) if plan.gv and plan.dtype in DV_BV else c["BV"]
     launches.append(_launch(
         plan, chunk_dA_kernel, (ns, H), dict(v="v", **present(plan, "gv"), do="do", **cu),
         dict(T=T, N=N), dict(dA=Out("dA", (B, T, H, BT)),
                              tab=Out("scan_table", (n_scan, BT, BT),
                                      "like:q" if plan.dtype in ("bfloat16", "float16")
-                                     else "bfloat16")), consts,
+                                     else "bfloat16")), dict(consts, BV=gv_bv),
         flops=2 * ns * H * BT * BT * V * (1 + (LEVELS + 1 if plan.gv else 0)),
         nbytes=tokens * (H + plan.Hk) * V * isz + tokens * H * BT * 4))
     if plan.gv:
-        dv_bv = min(c["BV"], DV_BV_GV) if plan.dtype in DV_BV else c["BV"]
+        dv_bv = gv_bv
     else:
         dv_bv = min(DV_BV.get(plan.dtype, c["BV"]), max(16, next_pow2(V)))
     launches.append(_launch(
