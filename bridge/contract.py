@@ -478,7 +478,8 @@ def _check_scale(softmax_scale, K) -> float:
     if softmax_scale is None:
         return float(K) ** -0.5
     if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale: expected a Python float, got {type(softmax_scale).__name__}")
+        raise TypeError("softmax_scale: expected a Python float, got "
+                        f"{type(softmax_scale).__name__}")
     scale = float(softmax_scale)
     if not np.isfinite(scale):
         raise ValueError(f"softmax_scale: expected a finite number, got {scale}")

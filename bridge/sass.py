@@ -17,8 +17,9 @@ where a loop body runs as often as `bridge.tripcounts` says its source loop's
 body runs over the grid (divided by ptxas's unroll factor, found by matching the
 loop's bar.sync, ex2, mma, cp.async and global-store counts, which ptxas keeps one
 for one, with a PTX loop's), code outside loops once per program, and a program
-that leaves by an early `return` only the code before the first EXIT. Every instruction of a region counts, predicated or branched
-around: an upper bound where a branch skips code.
+that leaves by an early `return` only the code before the first EXIT. Every
+instruction of a region counts, predicated or branched around: an upper bound where a
+branch skips code.
 """
 
 import os

@@ -128,7 +128,8 @@ def forward_mode_message(plan, platform) -> str:
         why = ("platform='xla' defines the in-chunk part of key-dim gates (g [B,T,H,K] or gk, "
                "without gv) in float32/16 with a custom VJP")
     else:
-        why = f"platform={platform!r} defines its derivative with a custom VJP (its backward kernels)"
+        why = (f"platform={platform!r} defines its derivative with a custom VJP (its backward "
+               "kernels)")
     return (f"forward-mode differentiation (jax.jvp, jax.jacfwd, jax.linearize) is not supported "
             f"here: {why}. Use reverse mode (jax.grad, jax.vjp, jax.jacrev), or platform='xla' "
             f"with float64 inputs (or without key-dim gates), where forward mode works.")

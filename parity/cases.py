@@ -34,7 +34,8 @@ class Case:
     reverse: bool = False
     seqlens: tuple = None   # packed variable-length sequences (B must be 1)
     packed: bool = False    # give packed inputs as [total, H, *] rather than [1, total, H, *]
-    # log gates: -uniform(*gate_range) * gate_scale a step; g_gamma -uniform(*gamma_range) * gate_scale
+    # log gates: -uniform(*gate_range) * gate_scale a step;
+    # g_gamma -uniform(*gamma_range) * gate_scale
     gate_scale: float = 1.0
     gate_range: tuple = (0.02, 1.0)  # (5, 10): every step decays by e^-5 or more
     gamma_range: tuple = (0.02, 0.5)

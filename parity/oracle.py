@@ -90,7 +90,8 @@ def recurrent(q, k, v, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=Non
             S = p.h0[n, h].copy()
             for t in steps:
                 a, bv = p.log_decays(n, b, t, h)
-                S = np.exp(a)[:, None] * S * np.exp(bv)[None, :] + np.outer(p.k[b, t, j], p.v[b, t, j])
+                S = (np.exp(a)[:, None] * S * np.exp(bv)[None, :]
+                     + np.outer(p.k[b, t, j], p.v[b, t, j]))
                 o[b, t, h] = p.scale * (p.q[b, t, h] @ S)
             final_state[n, h] = S
     return p.unbatch(o), final_state

@@ -589,7 +589,8 @@ inter = next(e for e in entries if e["fn"].__name__ == "chunk_gla_fwd_A_kernel_i
 rec = aot_fla.compile_config(inter, inter["configs"][0])
 print(json.dumps(dict(
     launches=[[e["phase"], e["fn"].__name__, len(e["configs"])] for e in entries],
-    bks=sorted({c.kwargs.get("BK") for e in entries for c in e["configs"] if c and "BK" in c.kwargs}),
+    bks=sorted({c.kwargs.get("BK") for e in entries for c in e["configs"]
+                if c and "BK" in c.kwargs}),
     rec={k: rec[k] for k in ("kernel", "grid", "programs", "num_warps", "dynamic", "ctas_per_sm")},
     exits=rec["sass_notes"])))
 '''

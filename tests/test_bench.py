@@ -55,7 +55,8 @@ def test_quick_end_to_end(tmp_path):
     for impl in anchors.cpu_impls():
         fwd_check = data["checks"][impl.name]["fwd"]
         if impl.missing():
-            assert fwd_check.startswith("not installed") and by_impl[impl.name]["status"] == "missing"
+            assert fwd_check.startswith("not installed")
+            assert by_impl[impl.name]["status"] == "missing"
             assert "not installed" in md
         else:  # installed: verified against the oracle, then timed
             assert fwd_check is None, (impl.name, fwd_check)
@@ -245,7 +246,8 @@ def test_targets_use_a_lower_bound_for_an_anchor_over_budget():
     def rec(impl, T, median, status="ok", peak=None):
         return {"shape": [1, 1, 8, 8], "mode": "fwdbwd", "T": T, "impl": impl, "status": status,
                 "reason": "" if status == "ok" else "over budget (at T=2048)",
-                "median_s": median, "peak_bytes": peak, "flops": flops.flops(1, T, 1, 8, 8, "fwdbwd")}
+                "median_s": median, "peak_bytes": peak,
+                "flops": flops.flops(1, T, 1, 8, 8, "fwdbwd")}
 
     records = [rec("fla naive", 2048, 8.0), rec("fla naive", 4096, None, "over budget"),
                rec("torch-native", 2048, 0.05), rec("torch-native", 4096, 0.1),

@@ -106,7 +106,8 @@ def test_reference_shape_chunk_against_fused():
     for name, a, b in zip(("o", "final_state", "dq", "dk", "dv", "dg"), out["chunk"],
                           out["fused_recurrent"]):
         assert torch.isfinite(a).all(), name
-        assert rel_err(a.detach().float().cpu().numpy(), b.detach().float().cpu().numpy()) < 3e-2, name
+        got, want = (x.detach().float().cpu().numpy() for x in (a, b))
+        assert rel_err(got, want) < 3e-2, name
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

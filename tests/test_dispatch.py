@@ -113,7 +113,8 @@ def test_direct_path_equals_the_oracle_and_skips_the_op_only_without_autograd(
     calls = []  # calls of the op itself, seen through the name ops.recurrent reads it by
     counted = types.SimpleNamespace(
         direct=custom_ops.direct, forward=custom_ops.forward,
-        checks_offsets=custom_ops.checks_offsets, fwd=lambda *a, **k: calls.append(1) or custom_ops.fwd(*a, **k))
+        checks_offsets=custom_ops.checks_offsets,
+        fwd=lambda *a, **k: calls.append(1) or custom_ops.fwd(*a, **k))
     monkeypatch.setattr(ops, "custom_ops", counted)
     x = _torch_inputs()
     want_o, want_s = _want(x)

@@ -25,7 +25,8 @@ from bridge.kernels import interpreter  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not bridge.kernels.INTERPRETED, reason="Triton interpreter not active")
+pytestmark = pytest.mark.skipif(not bridge.kernels.INTERPRETED,
+                                reason="Triton interpreter not active")
 
 SHAPES = [(16, 16, 16), (32, 32, 32), (64, 64, 64), (16, 64, 32)]  # (M, K, N); last one non-square
 DTYPES = ["bfloat16", "float16", "float32"]
@@ -147,5 +148,6 @@ def test_install_does_nothing_when_not_interpreting():
             "assert i.install() is False; assert 'triton' not in sys.modules; print('ok')")
     env = dict(os.environ, TRITON_INTERPRET="0")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                         text=True)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr

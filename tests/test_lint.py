@@ -17,9 +17,11 @@ FRAMEWORKS = ("torch", "jax", "jaxlib", "flax", "jax_triton")
 
 
 def test_ruff_passes():
-    ruff = shutil.which("ruff", path=str(pathlib.Path(sys.executable).parent)) or shutil.which("ruff")
+    ruff = (shutil.which("ruff", path=str(pathlib.Path(sys.executable).parent))
+            or shutil.which("ruff"))
     if ruff is None:
-        pytest.skip("ruff is not installed (it comes with the test extra: pip install -e '.[test]')")
+        pytest.skip("ruff is not installed (it comes with the test extra: "
+                    "pip install -e '.[test]')")
     run = subprocess.run([ruff, "check", "--no-cache", "--output-format", "concise", "."],
                          cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr

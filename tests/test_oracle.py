@@ -256,7 +256,8 @@ def test_closed_form_all_gates_and_initial_state():
             for t in range(T):
                 want = (qh[t] * np.exp(A[t])) @ h0 * np.exp(Bv[t])
                 for r in range(t + 1):
-                    want = want + ((qh[t] * np.exp(A[t] - A[r])) @ kh[r]) * vh[r] * np.exp(Bv[t] - Bv[r])
+                    want = want + (((qh[t] * np.exp(A[t] - A[r])) @ kh[r]) * vh[r]
+                                   * np.exp(Bv[t] - Bv[r]))
                 np.testing.assert_allclose(o[b, t, h], K ** -0.5 * want, rtol=1e-12, atol=1e-12)
             state = np.exp(A[-1])[:, None] * h0 * np.exp(Bv[-1])[None, :] + sum(
                 np.outer(kh[r] * np.exp(A[-1] - A[r]), vh[r] * np.exp(Bv[-1] - Bv[r]))

@@ -70,7 +70,8 @@ def gamma_floor(case, arrays, dtype):
         return 0.0
     with_gk = dict(arrays, gk=np.zeros(arrays["q"].shape, np.float32))
     da = backends.Oracle().run(case.with_(gk=True), with_gk, dtype)["dgk"]
-    return float(np.linalg.norm(da)) / np.sqrt(case.H if case.g_gamma == "head" else case.N * case.H)
+    n = case.H if case.g_gamma == "head" else case.N * case.H
+    return float(np.linalg.norm(da)) / np.sqrt(n)
 
 
 def check_backend(name, case, dtype, seed):

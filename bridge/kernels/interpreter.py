@@ -72,9 +72,11 @@ def _widen_bf16(handle, interp, tl):
 
 def _make_create_dot(original, interp, tl):
     def create_dot(self, a, b, *args, **kwargs):
-        return original(self, _widen_bf16(a, interp, tl), _widen_bf16(b, interp, tl), *args, **kwargs)
+        return original(self, _widen_bf16(a, interp, tl), _widen_bf16(b, interp, tl), *args,
+                        **kwargs)
 
-    create_dot.__doc__ = "Triton's create_dot with bf16 operands widened to fp32 (bridge.kernels.interpreter)."
+    create_dot.__doc__ = ("Triton's create_dot with bf16 operands widened to fp32 "
+                          "(bridge.kernels.interpreter).")
     create_dot.__wrapped__ = original
     setattr(create_dot, _MARK, True)
     return create_dot

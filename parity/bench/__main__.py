@@ -38,13 +38,15 @@ def _shape(text):
 def parse(argv):
     p = argparse.ArgumentParser(prog="python -m parity.bench", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, seconds (for the tests)")
-    p.add_argument("--shapes", type=_shape, nargs="+", help="B,H,K,V ... (default: 2,8,64,64 1,4,128,128)")
+    p.add_argument("--shapes", type=_shape, nargs="+",
+                   help="B,H,K,V ... (default: 2,8,64,64 1,4,128,128)")
     p.add_argument("--T", type=int, nargs="+", help="sequence lengths (default 512..8192)")
     p.add_argument("--impl", nargs="+", help="implementation names to run (default: all)")
     p.add_argument("--out", default=DEFAULT_OUT, help="folder for results.json and the plots")
     p.add_argument("--md", help="markdown path (default: BENCHMARKS.md at the repository root "
                                 "for the default --out, else OUT/BENCHMARKS.md)")
-    p.add_argument("--budget", type=float, default=None, help="seconds per call before 'over budget'")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds per call before 'over budget'")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--group-json", help=argparse.SUPPRESS)  # internal: one framework's child run
@@ -147,7 +149,8 @@ def main(argv=None):
         if bad:
             raise SystemExit(f"--impl: unknown {bad}; known: {sorted(known)}")
         impls = [i for i in impls if i.name in args.impl]
-    settings = runner.Settings(budget_s=args.budget or (5.0 if args.quick else runner.Settings().budget_s))
+    settings = runner.Settings(
+        budget_s=args.budget or (5.0 if args.quick else runner.Settings().budget_s))
     if args.quick:
         settings.rep_budget_s, settings.min_repeats, settings.repeats = 0.2, 1, 3
         settings.warm_calls = 2
@@ -211,7 +214,8 @@ def _run_groups(args, impls, log):
         names = [i.name for i in impls if i.framework == framework]
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "group.json")
-            cmd = [sys.executable, "-m", "parity.bench", *keep, "--impl", *names, "--group-json", path]
+            cmd = [sys.executable, "-m", "parity.bench", *keep, "--impl", *names,
+                   "--group-json", path]
             log(f"{framework} group: {names}")
             proc = subprocess.run(cmd)
             if proc.returncode != 0 or not os.path.exists(path):
@@ -289,8 +293,9 @@ def _stored(args, key):
 
 
 def refresh(args, key, run):
-    """--readiness / --compile-time / --gpu / --multidevice / --decode: `run()`'s new results under `key` in OUT/results.json
-    (the CPU timings kept), then the markdown again from it."""
+    """--readiness / --compile-time / --gpu / --multidevice / --decode: `run()`'s new
+    results under `key` in OUT/results.json (the CPU timings kept), then the markdown
+    again from it."""
     import json
 
     json_path = os.path.join(args.out, "results.json")

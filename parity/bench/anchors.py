@@ -194,14 +194,17 @@ def cpu_impls() -> list:
         Impl("torch-native", "torch", _torch_build(_torch_native), budgeted=False,
              note="torch_side.recurrent_gla(platform='torch'): our chunked torch path"),
         Impl("fla naive", "torch", _fla_build, requires=("fla",),
-             note="fla/ops/gla/naive.py naive_recurrent_gla (loaded by file path), a per-step torch loop"),
+             note="fla/ops/gla/naive.py naive_recurrent_gla (loaded by file path), a per-step "
+                  "torch loop"),
         Impl("jax-xla", "jax", _jax_build(_jax_xla), budgeted=False,
              note="jax_side.recurrent_gla(platform='xla'): our chunked XLA path"),
         Impl("ejkernel XLA", "jax", _jax_build(_ejkernel_default), requires=("ejkernel",),
              note="ejkernel 0.0.80.3 recurrent_gla (XLA), default batched path"),
-        Impl("ejkernel XLA packed", "jax", _jax_build(_ejkernel_packed, jit=False), requires=("ejkernel",),
+        Impl("ejkernel XLA packed", "jax", _jax_build(_ejkernel_packed, jit=False),
+             requires=("ejkernel",),
              limit=_history_limit,
-             note="ejkernel recurrent (XLA) on the packed cu_seqlens path, which differentiates (eager: not jittable with cu_seqlens)"),
+             note="ejkernel recurrent (XLA) on the packed cu_seqlens path, which "
+                  "differentiates (eager: not jittable with cu_seqlens)"),
         Impl("lax.scan", "jax", _jax_build(lax_scan_gla), limit=_history_limit,
              note="a plain per-step jax.lax.scan recurrence (this module), jax.grad through it"),
     ]

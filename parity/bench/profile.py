@@ -70,7 +70,8 @@ def jax_stages(shape, T):
     rows = [
         ("relayout of q, k, v, g into 64-token chunks (4 arrays)",
          sum(_time(layout, x, block=block) for x in (q, k, v, g))),
-        ("in-block log-gate sums (16-token blocks)", _time(jax.jit(xla_decay.local), cg, block=block)),
+        ("in-block log-gate sums (16-token blocks)",
+         _time(jax.jit(xla_decay.local), cg, block=block)),
         ("in-chunk weights P [C,C]: the binary tree (before; still the differentiated path)",
          _time(jax.jit(xla_intra.tree_p), cq, ck, ka, block=block)),
         ("in-chunk weights P [C,C]: one matmul against the chunk start (after)",

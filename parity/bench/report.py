@@ -19,7 +19,8 @@ def _ms(r) -> str:
     if r is None:
         return "-"
     if r["median_s"] is None:
-        text = r["reason"] if r["reason"].startswith(r["status"]) else f"{r['status']}: {r['reason']}"
+        text = (r["reason"] if r["reason"].startswith(r["status"])
+                else f"{r['status']}: {r['reason']}")
         return text.replace("|", "/")
     cell = f"{r['median_s'] * 1e3:.1f}"
     return cell + (" (over budget)" if r["reason"] else "")
@@ -65,7 +66,8 @@ def shape_tables(records, impls, baselines, machine) -> list:
         B, H, K, V = shape
         for mode in ("fwd", "fwdbwd"):
             lines += [f"### (B,H,K,V) = {shape}, {MODE_TITLE[mode]}", ""]
-            lines += ["Median time per call in ms (status and reason where there is no number).", ""]
+            lines += ["Median time per call in ms (status and reason where there is no "
+                      "number).", ""]
             lines += ["| T | " + " | ".join(i.name for i in impls) + " |",
                       "|---|" + "---|" * len(impls)]
             for T in Ts:
@@ -97,8 +99,8 @@ def shape_tables(records, impls, baselines, machine) -> list:
             lines += ["| T | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
             for T in Ts:
                 cells = [_mib(idx.get((shape, mode, T, i.name))) for i in impls]
-                cells += [_fmt(_mem_ratio(idx.get((shape, mode, T, a)), idx.get((shape, mode, T, b))))
-                          for b, a in pairs]
+                cells += [_fmt(_mem_ratio(idx.get((shape, mode, T, a)),
+                                          idx.get((shape, mode, T, b)))) for b, a in pairs]
                 lines.append(f"| {T} | " + " | ".join(cells) + " |")
             lines.append("")
     return lines
@@ -159,7 +161,8 @@ def targets(records, machine) -> list:
             ("torch-native >= 30% of fp32 matmul rate", rate_of("torch-native")),
             ("jax-xla >= 30% of fp32 matmul rate", rate_of("jax-xla")),
             ("jax-xla peak memory >= 4x below ejkernel XLA packed",
-             lambda s: verdict(_mem_ratio(get(s, "ejkernel XLA packed"), get(s, "jax-xla")), 4, _fmt))]
+             lambda s: verdict(_mem_ratio(get(s, "ejkernel XLA packed"), get(s, "jax-xla")), 4,
+                               _fmt))]
     rows += _forward_rows(records, idx, t_target)
     for title, cell in rows:
         lines.append(f"| {title} | " + " | ".join(cell(s) for s in shapes) + " |")
@@ -263,7 +266,8 @@ def markdown(records, impls, baselines, machine, checks, plots=(), gpu=None,
              f"- CPU: {m.get('cpu')}, {m.get('cores')} cores; threads: torch {m.get('threads')}, "
              "JAX/XLA its default pool (one thread per core)",
              f"- fp32 matmul rate (torch {m.get('matmul_n')}^2, measured in this run): "
-             f"{m.get('matmul_gflops', 0):.0f} GFLOP/s; copy bandwidth: {m.get('copy_gbps', 0):.1f} GB/s",
+             f"{m.get('matmul_gflops', 0):.0f} GFLOP/s; "
+             f"copy bandwidth: {m.get('copy_gbps', 0):.1f} GB/s",
              "- versions: " + ", ".join(f"{k} {v}" for k, v in m.get("versions", {}).items()),
              f"- command: `{m.get('command')}`", "",
              "## Method", "",
@@ -296,7 +300,8 @@ def markdown(records, impls, baselines, machine, checks, plots=(), gpu=None,
     for i in impls:
         c = checks.get(i.name, {})
         lines.append(f"| {i.name} | " + " | ".join(
-            "ok" if c.get(md) is None else c[md].replace("|", "/") for md in ("fwd", "fwdbwd")) + " |")
+            "ok" if c.get(md) is None else c[md].replace("|", "/")
+            for md in ("fwd", "fwdbwd")) + " |")
     lines += ["", "## Targets", ""] + targets(records, m) + [""] + ceilings(m)
     lines += ["## CPU results", ""] + shape_tables(records, impls, baselines, m)
     for p in plots:

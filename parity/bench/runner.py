@@ -90,9 +90,12 @@ def sweep(impls, shapes, Ts, settings: Settings, checks: dict) -> list:
                         continue
                     live.append(impl)
                 records += _measure_point(shape, mode, T, live, arrays, settings, stopped)
+                here = [r for r in records
+                        if r["shape"] == list(shape) and r["mode"] == mode and r["T"] == T]
                 log(f"{shape} {mode} T={T}: " + ", ".join(
-                    f"{r['impl']}={r['median_s'] if r['median_s'] is None else round(r['median_s'], 4)}"
-                    for r in records if r["shape"] == list(shape) and r["mode"] == mode and r["T"] == T))
+                    f"{r['impl']}="
+                    f"{r['median_s'] if r['median_s'] is None else round(r['median_s'], 4)}"
+                    for r in here))
     return records
 
 
@@ -133,7 +136,8 @@ def _measure_point(shape, mode, T, impls, arrays, settings, stopped) -> list:
     # calls as fit the repeat budget (2..repeats); 1 when that call was over budget.
     budgeted = {i.name for i in impls if i.budgeted}
     counts = {name: 1 if t > settings.budget_s and name in budgeted else
-              max(settings.min_repeats, min(settings.repeats, int(settings.rep_budget_s / max(t, 1e-9))))
+              max(settings.min_repeats,
+                  min(settings.repeats, int(settings.rep_budget_s / max(t, 1e-9))))
               for name, t in first.items()}
     times = {name: [first[name]] for name in runs}
     for r in range(1, max(counts.values(), default=0)):

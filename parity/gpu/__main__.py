@@ -4,7 +4,8 @@ Everything this project measures on a GPU, in one command that fits a short leas
 (full: 8 minutes on one H100, --quick: 3). In order, each step under its own time cap
 (parity/gpu/plan.py) and guarded, so a failure is recorded and the next step runs:
 machine, correctness, speed, varlen, decode. Writes DIR/gpu.json (the results),
-DIR/gpu.log (everything the steps printed) and DIR/gpu-section.md, updates BENCHMARKS.md's GPU section (and results.json, and parity/bench/results/gpu.json)
+DIR/gpu.log (everything the steps printed) and DIR/gpu-section.md, updates
+BENCHMARKS.md's GPU section (and results.json, and parity/bench/results/gpu.json)
 unless --md none, and prints a short table last.
 
 --dry-run runs the same orchestration on the CPU at tiny shapes (Triton's interpreter,
