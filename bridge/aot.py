@@ -103,6 +103,14 @@ def workspace_bytes(plan, launches) -> int:
 
 # ---------------------------------------------------------------- compiling
 
+def _tensor_name(kind, value) -> str:
+    """The tensor a launch's tensor argument points at: an input's name, an Out's name,
+    or for an absent one q (the launchers pass q's pointer there)."""
+    if value is None:
+        return "q"
+    return value.name if kind == "out" else value
+
+
 def build_source(launch, dtypes: dict, hints: bool = True):
     """Triton's ASTSource for `launch`, specialised as a real launch is: pointers
     (absent ones get q, as the launchers pass it) 16-byte aligned and integer
@@ -119,9 +127,8 @@ def build_source(launch, dtypes: dict, hints: bool = True):
             sig[p] = "constexpr"
     for p, kind, a in launch.arguments():
         if kind != "scalar":
-            name = a.name if kind == "out" and a is not None else (a or "q")
             # torch allocations are 256-byte aligned: every pointer gets "D"
-            ty, spec = "*" + _TL[dtypes[name]], "D"
+            ty, spec = "*" + _TL[dtypes[_tensor_name(kind, a)]], "D"
         else:
             # the same call JITFunction's binder makes for a scalar argument
             ty, spec = native_specialize_impl(CUDABackend, a, False, True, True)
@@ -249,8 +256,7 @@ def launch_params(launch, dtypes: dict = None) -> dict:
         if kind == "scalar":
             params[p] = a
         else:
-            name = a.name if kind == "out" and a is not None else (a or "q")
-            params[p] = pointer(dtypes[name]) if dtypes else UNKNOWN
+            params[p] = pointer(dtypes[_tensor_name(kind, a)]) if dtypes else UNKNOWN
     return params
 
 

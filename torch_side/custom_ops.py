@@ -59,14 +59,10 @@ def _check_mode(mode):
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
 
 
-def _kept_name(plan, mode):
-    """The name of the buffer `fwd` returns as `kept`, or None (see the module doc)."""
-    return None if mode == "torch" else triton_launch.kept(plan, mode)
-
-
-def _nothing_kept(q) -> Tensor:
-    """`kept` where the mode keeps nothing: [B, 0, H, 0], no data."""
-    return q.new_empty(q.shape[0], 0, q.shape[2], 0)
+def _kept_output(q, kept) -> Tensor:
+    """The op's `kept` output: the forward's kept buffer, or where the mode keeps nothing
+    (None) an empty [B, 0, H, 0] (see the module doc)."""
+    return q.new_empty(q.shape[0], 0, q.shape[2], 0) if kept is None else kept
 
 
 def _distinct(grads, inputs):
@@ -137,23 +133,19 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tenso
     plan = contract.Plan.of_batched(inputs, cu_seqlens, scale=scale, reverse=reverse)
     with torch_internals.no_autocast(q):
         o, final_state, kept = forward(plan, mode, inputs, cu_seqlens)
-    return o, final_state, _nothing_kept(q) if kept is None else kept
+    return o, final_state, _kept_output(q, kept)
 
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, g, gk, gv, g_gamma, initial_state, cu_seqlens, scale, reverse, mode):
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    plan = contract.Plan.of_batched(_named(q, k, v, g, gk, gv, g_gamma, initial_state),
+                                    cu_seqlens, scale=scale, reverse=reverse)
     wide = mode == "torch" and q.dtype == torch.float64
-    kept = None
-    if mode != "torch":
-        plan = contract.Plan.of_batched(_named(q, k, v, g, gk, gv, g_gamma, initial_state),
-                                        cu_seqlens, scale=scale, reverse=reverse)
-        kept = triton_launch.kept_like(plan, mode, q)
-    return (q.new_empty(B, T, H, V),
-            q.new_empty(N, H, K, V, dtype=torch.float64 if wide else torch.float32),
-            _nothing_kept(q) if kept is None else kept)
+    kept = None if mode == "torch" else triton_launch.kept_like(plan, mode, q)
+    return (q.new_empty(plan.shape("o")),
+            q.new_empty(plan.shape("final_state"),
+                        dtype=torch.float64 if wide else torch.float32),
+            _kept_output(q, kept))
 
 
 @torch.library.custom_op("gla_bridge::bwd", mutates_args=())
@@ -191,7 +183,7 @@ def _setup_context(ctx, inputs, output):
     if mode != "torch":
         plan = contract.Plan.of_batched(_named(*arrays), cu, scale=scale, reverse=reverse)
         keep_state = triton_launch.needs_final_state(plan, mode)
-        keep_buffer = _kept_name(plan, mode) is not None
+        keep_buffer = triton_launch.kept(plan, mode) is not None
     ctx.save_for_backward(*arrays, cu, final_state if keep_state else None,
                           kept if keep_buffer else None)
     ctx.scale, ctx.reverse, ctx.mode = scale, reverse, mode
@@ -266,7 +258,7 @@ def _fwd_vmap(info, in_dims, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seql
     one = contract.Plan.of_batched({n: None if x is None else x[0] for n, x in mapped.items()},
                                    cu_seqlens, scale=scale, reverse=reverse)
     # an unmapped g_gamma [H] stays one row shared by every problem
-    plan = one.folded(X, gamma_per_sequence=in_dims[6] is not None or one.g_gamma == "seq")
+    plan = one.folded(X, gamma_per_sequence=in_dims[6] is not None)
     folded = {n: None if x is None else x.reshape(plan.shape(n)).contiguous()
               for n, x in mapped.items() if n in (*contract.TOKENS, "initial_state")}
     if plan.g_gamma == "seq":
@@ -299,7 +291,7 @@ def triton_fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optiona
     inputs = _named(q, k, v, g, gk, gv, g_gamma, initial_state)
     plan = contract.Plan.of_batched(inputs, cu_seqlens, scale=scale, reverse=reverse)
     o, final_state, kept = triton_launch.forward(plan, mode, inputs, cu_seqlens, wrap=True)
-    return o, final_state, _nothing_kept(q) if kept is None else kept
+    return o, final_state, _kept_output(q, kept)
 
 
 @torch.library.triton_op("gla_bridge::triton_bwd", mutates_args=())
