@@ -72,10 +72,6 @@ class Launch:
         the "out" ones come last."""
         return self._order
 
-    def positional(self) -> list:
-        """The values of `arguments`, in order: how the executors pass them."""
-        return [value for _, _, value in self._order]
-
     def reads(self) -> list:
         """Names of the tensors it reads (absent ones left out)."""
         return [v for _, kind, v in self._order if kind == "in" and v is not None]

@@ -58,7 +58,7 @@ def test_positional_order_is_the_kernels_not_the_bindings():
     launch = fused_recurrent.forward_launches(_plan())[0]
     shuffled = dataclasses.replace(launch, inputs=dict(reversed(list(launch.inputs.items()))),
                                    outputs=dict(reversed(list(launch.outputs.items()))))
-    assert shuffled.positional() == launch.positional()
+    assert shuffled.arguments() == launch.arguments()
     runtime = [n for n in launch.kernel.arg_names if n not in launch.constexprs]
     assert [name for name, _, _ in launch.arguments()] == runtime
 
