@@ -89,16 +89,13 @@ class _Typed(_Unknown):
 
 def _typed_op(name):
     def op(self, *other):
-        # pointer arithmetic keeps the pointer; tiles keep a dtype shared with the
-        # other operand (or a Python scalar's); anything else is untyped
+        if isinstance(self.dtype, _tl.pointer_type):  # an offset added keeps the pointer
+            return self if name in ("__add__", "__radd__", "__sub__") else UNKNOWN
+        # a tile keeps its dtype with a Python scalar or a tile of that dtype
         o = other[0] if other else None
-        if isinstance(self.dtype, _tl.pointer_type) and name in ("__add__", "__radd__",
-                                                                "__sub__"):
-            return self
-        if o is None or isinstance(o, (bool, int, float)) or (
-                isinstance(o, _Typed) and o.dtype == self.dtype):
-            return self if not isinstance(self.dtype, _tl.pointer_type) else UNKNOWN
-        return UNKNOWN
+        same = o is None or isinstance(o, (bool, int, float)) or (
+            isinstance(o, _Typed) and o.dtype == self.dtype)
+        return self if same else UNKNOWN
     op.__name__ = name
     return op
 
@@ -126,7 +123,7 @@ def _typed(dtype):
 
 
 def _known(*xs):
-    return not any(x is UNKNOWN for x in xs)
+    return not any(isinstance(x, _Unknown) for x in xs)
 
 
 def _unwrap(x):
