@@ -261,33 +261,3 @@ def init_rule(name: str) -> str:
     if name.endswith("norm.weight") or name.endswith("norm_swish_gate.weight"):
         return "ones"
     return "zeros" if name.endswith(".bias") else "normal"
-
-
-def generate_options(config: GLAConfig, max_new_tokens, temperature, top_k, eos_token_id) -> tuple:
-    """Check `generate`'s scalar options (both frameworks) and return the eos ids as a tuple."""
-    V = config.vocab_size
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or \
-            max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
-    if not isinstance(temperature, (int, float)) or not temperature >= 0:
-        raise ValueError(f"temperature: expected a number >= 0, got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k: expected None or an int >= 1, got {top_k!r}")
-    eos = () if eos_token_id is None else (eos_token_id,) if isinstance(
-        eos_token_id, int) else tuple(eos_token_id)
-    if not all(isinstance(e, int) and 0 <= e < V for e in eos):
-        raise ValueError(f"eos_token_id: expected token ids in [0, {V}), got {eos_token_id!r}")
-    return eos
-
-
-def check_prompt_offsets(cu, rows: int, total: int) -> None:
-    """`generate`'s packed prompts: cu [N+1] (host values) increasing from 0 to `total`,
-    input_ids [1, total] (`rows` == 1), every prompt non-empty."""
-    import numpy as np
-
-    cu = np.asarray(cu)
-    if rows != 1 or cu.ndim != 1 or len(cu) < 2 or cu[0] != 0 or cu[-1] != total or \
-            (np.diff(cu) <= 0).any():
-        raise ValueError(f"cu_seqlens: expected increasing offsets from 0 to the token count "
-                         f"{total} of input_ids [1, total] (every prompt non-empty), "
-                         f"got {cu.tolist()}")
