@@ -17,7 +17,7 @@ if importlib.util.find_spec("transformers") is not None:
     from bridge.model_config import GLAConfig  # noqa: E402
     from .models import GLAForCausalLM, GLAModel  # noqa: E402
 
-    __all__ += list(MODEL_NAMES)
+    __all__ += ["GLAConfig", "GLAModel", "GLAForCausalLM"]
 else:
     def __getattr__(name):
         if name in MODEL_NAMES:

@@ -273,9 +273,11 @@ class GLAForCausalLM(GLAPreTrainedModel, GenerationMixin):
         are accepted and unused: nothing is downloaded."""
         dtype = kwargs.pop("torch_dtype", dtype)
         unknown = sorted(set(kwargs) - _HUB_KWARGS) + (["args"] if args else [])
-        if unknown or kwargs.get("use_safetensors") is False:
-            raise TypeError(f"from_pretrained: unsupported arguments {unknown or 'use_safetensors=False'} "
-                            f"(gla-bridge loads local safetensors directories)")
+        if kwargs.get("use_safetensors") is False:
+            unknown.append("use_safetensors=False")
+        if unknown:
+            raise TypeError(f"from_pretrained: unsupported arguments {unknown} (gla-bridge "
+                            f"loads local safetensors directories)")
         if not os.path.isdir(os.fspath(path)):
             raise ValueError(f"path: {os.fspath(path)!r} is not a local directory (nothing "
                              f"is downloaded: give the directory of a checkpoint)")
