@@ -151,7 +151,7 @@ def test_both_fla_hub_config_spellings_load(tmp_path):
 AUTO = """
 import json, sys
 import bridge.kernels  # Triton's interpreter on a machine without a GPU, before fla
-order, path = sys.argv[1].split(","), sys.argv[2]
+order, path, fla_path = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
 for name in order:
     __import__(name)
 import torch
@@ -167,17 +167,21 @@ out = {"config": type(config).__module__, "model": type(model).__module__,
        "ours": ours.generate(x, max_new_tokens=6, do_sample=False).tolist()}
 if not out["fla"]:
     out["auto"] = model.generate(x, max_new_tokens=6, do_sample=False).tolist()
+    fla_written = AutoModelForCausalLM.from_pretrained(fla_path)  # a directory fla wrote
+    out["fla_dir"] = [type(fla_written).__module__, "fla" in sys.modules,
+                      fla_written.generate(x, max_new_tokens=6, do_sample=False).tolist()]
     pipe = pipeline("text-generation", model=path)  # model and tokenizer from the directory
     out["pipe"] = pipe("the cat", max_new_tokens=8, do_sample=False)[0]["generated_text"]
 print("RESULT", json.dumps(out))
 """
 
 
-def _auto(orders, path):
+def _auto(orders, path, fla_path):
     """AUTO's results for each import order, the processes run side by side."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    runs = [subprocess.Popen([sys.executable, "-c", AUTO, ",".join(order), str(path)], cwd=ROOT,
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    runs = [subprocess.Popen([sys.executable, "-c", AUTO, ",".join(order), str(path),
+                              str(fla_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
             for order in orders]
     out = []
     for run in runs:
@@ -189,22 +193,31 @@ def _auto(orders, path):
 
 def test_auto_classes_serve_ours_without_fla_and_fla_with_it(tmp_path):
     """Without fla: AutoConfig / AutoModelForCausalLM / pipeline(path) give ours, the same
-    tokens as ours in this process. With fla imported, before or after torch_side: fla's
+    tokens as ours in this process, and a directory fla wrote loads into ours without
+    importing fla. With fla imported, before or after torch_side: fla's
     classes serve "gla" (fla registers over any holder; we never replace one), and our
     GLAForCausalLM.from_pretrained still loads the directory."""
     pytest.importorskip("fla", reason="flash-linear-attention (the fidelity anchor) is not "
                                       "installed: pip install -e '.[test]'")
-    model, tok = _checkpoint(tmp_path)
+    from fla.models import GLAConfig as FlaConfig
+    from fla.models import GLAForCausalLM as FlaModel
+
+    torch.manual_seed(1)
+    FlaModel(FlaConfig(**{**SMALL, "vocab_size": 300})).save_pretrained(tmp_path / "fla")
     x = torch.tensor([[5, 17, 3, 99]])
+    want_fla = GLAForCausalLM.from_pretrained(tmp_path / "fla").generate(
+        x, max_new_tokens=6, do_sample=False).tolist()
+    model, tok = _checkpoint(tmp_path / "ours")
     want = model.generate(x, max_new_tokens=6, do_sample=False).tolist()
     pipe = pipeline("text-generation", model=model, tokenizer=tok)
     text = pipe("the cat", max_new_tokens=8, do_sample=False)[0]["generated_text"]
 
     orders = (["torch_side", "fla"], ["fla", "torch_side"])
-    alone, *with_fla = _auto([["torch_side"], *orders], tmp_path)
+    alone, *with_fla = _auto([["torch_side"], *orders], tmp_path / "ours", tmp_path / "fla")
     assert alone["config"] == "bridge.model_config" and alone["model"] == "torch_side.models"
     assert not alone["fla"] and alone["registered"]
     assert alone["auto"] == want and alone["ours"] == want and alone["pipe"] == text
+    assert alone["fla_dir"] == ["torch_side.models", False, want_fla]
     for order, both in zip(orders, with_fla):
         assert both["fla"] and not both["registered"], order
         assert both["config"].startswith("fla.") and both["model"].startswith("fla."), order

@@ -79,7 +79,6 @@ class GLAPreTrainedModel(PreTrainedModel):
             raise TypeError(f"config: expected a bridge.model_config.GLAConfig, "
                             f"got {type(config).__name__}")
         super().__init__(config)
-        self.mode, self.platform = mode, platform
 
     def _init_weights(self, module):
         """fla's init (bridge.model_config.init_rule, by each parameter's name):
