@@ -164,6 +164,16 @@ def test_jitted_training_step_gradients_equal_torch(tmp_path):
     assert float(value_and_grad(new, to_jax(x))[0]) < float(got)
 
 
+def test_one_config_class_and_the_same_names_in_both_frameworks():
+    import jax_side
+    import torch_side
+    from bridge.model_config import GLAConfig
+
+    assert jax_side.GLAConfig is torch_side.GLAConfig is GLAConfig
+    assert (jax_side.GLAForCausalLM, torch_side.GLAForCausalLM) == (JaxLM, TorchLM)
+    assert jax_side.GLAModel.__name__ == torch_side.GLAModel.__name__ == "GLAModel"
+
+
 def test_feature_maps_agree_elementwise():
     x = np.linspace(-6, 6, 97, dtype=np.float32)
     assert set(JAX_MAPS) == set(TORCH_MAPS)

@@ -245,3 +245,16 @@ def test_compiled_decode_step_through_the_transformers_cache_equals_eager():
     for a, b, buf in zip(eager.layers, compiled.layers, buffers):
         assert b.recurrent_states[0] is buf  # updated in place: a static address
         assert rel_err(b.recurrent_states[0], a.recurrent_states[0]) < 1e-6
+
+
+def test_torch_side_imports_without_transformers():
+    """The ops and layers need no transformers; the model's names say what is missing."""
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "import torch_side\nassert callable(torch_side.recurrent)\n"
+            "try:\n    torch_side.GLAForCausalLM\nexcept ImportError as e:\n"
+            "    print('ERR', e)\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "ERR torch_side.GLAForCausalLM: the GLA language model needs transformers" in \
+        run.stdout
