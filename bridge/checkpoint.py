@@ -1,6 +1,6 @@
 """GLA model checkpoints on transformers' directory layout, framework-neutral.
 
-    <dir>/config.json                          GLAConfig.to_dict() and "dtype"
+    <dir>/config.json                          GLAConfig.to_json(): every field and "dtype"
     <dir>/model.safetensors                    every parameter, by fla's names
   or, sharded:
     <dir>/model.safetensors.index.json         {"metadata": {"total_size", "total_parameters"},
@@ -165,16 +165,30 @@ def save_pretrained(directory, config: GLAConfig, params: dict, *, max_shard_siz
     if not isinstance(config, GLAConfig):
         raise TypeError(f"config: expected a GLAConfig, got {type(config).__name__}")
     check_model_params(params, config)
-    dtypes = {str(a.dtype) for a in params.values()}
+    dtypes = {str(a.dtype).replace("torch.", "") for a in params.values()}
     os.makedirs(directory, exist_ok=True)
     write_weights(directory, params, max_shard_size)
-    config.save(directory, **({"dtype": dtypes.pop()} if len(dtypes) == 1 else {}))
+    text = json.loads(config.to_json())
+    text["dtype"] = dtypes.pop() if len(dtypes) == 1 else None
+    with open(os.path.join(directory, CONFIG), "w", encoding="utf-8") as f:
+        json.dump(text, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def read_config(directory) -> GLAConfig:
+    """The GLAConfig of `directory`/config.json (either fla-hub spelling), or a
+    ValueError naming the directory when there is none."""
+    path = os.path.join(os.fspath(directory), CONFIG)
+    if not os.path.isfile(path):
+        raise ValueError(f"path: no {CONFIG} at {path}")
+    with open(path, encoding="utf-8") as f:
+        return GLAConfig.from_dict(json.load(f))
 
 
 def load_pretrained(directory) -> tuple:
     """(GLAConfig, {name: NumPy array}) from a directory fla or we wrote, checked
     strictly against the config (check_model_params)."""
-    config = GLAConfig.from_json(directory)
+    config = read_config(directory)
     params = read_weights(directory)
     check_model_params(params, config, argname=f"checkpoint {os.fspath(directory)}")
     return config, params

@@ -1,8 +1,13 @@
 """The GLA language model's configuration and parameter table, shared by both frameworks.
 
-`GLAConfig` carries flash-linear-attention 0.6.0's `GLAConfig` fields, names and defaults
-(model_type "gla"), so a `config.json` fla writes reads here and ours reads in fla. No
-torch or jax import: either framework's model builds on it.
+`GLAConfig` is a transformers `PreTrainedConfig` (model_type "gla") with
+flash-linear-attention 0.6.0's `GLAConfig` fields, names and defaults, so a `config.json`
+fla writes reads here and ours reads in fla; both spellings of fla-hub's configs load
+(older: `attn_mode: "fused_chunk"`, `rms_norm_eps`, no `norm_eps`; newer: `"chunk"`,
+`norm_eps`, `use_output_gate`). Importing this module registers it with transformers'
+`AutoConfig` unless something (flash-linear-attention) already holds "gla": see
+`register_auto_config`. transformers imports torch when torch is installed; this module
+itself uses neither torch nor jax.
 
 The model (fla's structure): token embedding; per block RMSNorm -> GLA attention ->
 residual -> RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; lm head (tied to the
@@ -21,32 +26,44 @@ embedding when tie_word_embeddings). Parameters, by fla's names (`model_param_sh
 
 import json
 import math
-import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import fields
+
+from transformers import AutoConfig, PreTrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from .weights import FEATURE_MAPS, LayerConfig
 
 MODEL_TYPE = "gla"
 ARCHITECTURE = "GLAForCausalLM"
 ATTN_MODES = ("chunk", "fused_recurrent", "fused_chunk")  # fla's kernel choice: same math
+NORM_EPS = 1e-6  # fla's default; old fla-hub configs spell it rms_norm_eps
 
 
-@dataclass(frozen=True)
-class GLAConfig:
-    """fla's GLAConfig (same fields and defaults), validated; frozen and hashable.
+class GLAConfig(PreTrainedConfig):
+    """fla's GLAConfig (same fields and defaults), validated, as a transformers config.
 
     Supported as fla computes them: hidden_size, expand_k, expand_v, hidden_ratio /
     intermediate_size, num_hidden_layers, num_heads, num_kv_heads, feature_map,
-    use_output_gate, clamp_min, norm_eps, tie_word_embeddings, vocab_size, pad_token_id
-    (the embedding's padding_idx), initializer_range (init), and ours:
-    gate_low_rank_dim / gate_logit_normalizer (fla's model fixes both at 16, so only
+    use_output_gate, clamp_min, norm_eps (or the old rms_norm_eps), tie_word_embeddings,
+    vocab_size, pad_token_id (the embedding's padding_idx), initializer_range (init), and
+    ours: gate_low_rank_dim / gate_logit_normalizer (fla's model fixes both at 16, so only
     those values load into fla). Accepted and without effect on the math, as in fla:
     attn_mode, conv_size (without short conv), max_position_embeddings, use_gk, use_gv
     (fla 0.6.0's layer reads neither), use_cache, bos/eos_token_id, fuse_swiglu,
     fuse_cross_entropy, fuse_linear_cross_entropy (kernel choices), fuse_norm (the
     output norm's name only). Anything else of fla's is a ValueError naming it:
     use_short_conv=True, attn (hybrid attention layers), attnres_block_size,
-    use_l2warp=True, elementwise_affine=False, hidden_act other than "swish"."""
+    use_l2warp=True, elementwise_affine=False, hidden_act other than "swish". Keys of
+    neither (transformers' own, old fla-hub extras) are kept as attributes, as
+    transformers does.
+
+    Two configs are equal (and hash alike) when their GLA fields are: transformers'
+    bookkeeping (dtype, name_or_path, architectures) does not change the model. The hash
+    follows the fields' current values, so a JAX model's compiled functions (which take
+    the config as static) see an edited config as a new one."""
+
+    model_type = MODEL_TYPE
+    keys_to_ignore_at_inference = ["cache"]
 
     hidden_size: int = 2048
     expand_k: float = 0.5
@@ -65,14 +82,14 @@ class GLAConfig:
     hidden_act: str = "swish"
     max_position_embeddings: int = 2048
     elementwise_affine: bool | None = True
-    norm_eps: float = 1e-6
+    norm_eps: float = NORM_EPS
     use_gk: bool = True
     use_gv: bool = False
     attn: object = None
     use_cache: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = 1
-    eos_token_id: int | tuple | None = 2
+    eos_token_id: int | list | None = 2
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     fuse_norm: bool = True
@@ -86,7 +103,17 @@ class GLAConfig:
     gate_low_rank_dim: int = 16
     gate_logit_normalizer: float = 16
 
-    def __post_init__(self):
+    def __post_init__(self, **kwargs):
+        legacy = kwargs.pop("rms_norm_eps", None)  # fla-hub's older spelling of norm_eps
+        if legacy is not None:
+            if self.norm_eps not in (NORM_EPS, legacy):
+                raise ValueError(f"rms_norm_eps: {legacy!r} disagrees with norm_eps="
+                                 f"{self.norm_eps!r}; give one of them")
+            self.norm_eps = legacy
+        self._check()
+        super().__post_init__(**kwargs)
+
+    def _check(self):
         unsupported = (
             ("use_short_conv", self.use_short_conv, False),
             ("attn", self.attn, None),
@@ -120,12 +147,26 @@ class GLAConfig:
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(f"pad_token_id: expected None or a token id below vocab_size="
                              f"{self.vocab_size}, got {self.pad_token_id!r}")
-        if isinstance(self.eos_token_id, list):  # JSON lists: hashable, as the dataclass is
-            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         if self.feature_map is not None and self.feature_map not in FEATURE_MAPS:
             raise ValueError(f"feature_map: expected None or one of {FEATURE_MAPS}, "
                              f"got {self.feature_map!r}")
         _ = self.layer  # the attention's own checks (expand_k, num_kv_heads, clamp_min, ...)
+
+    def _key(self) -> tuple:
+        return tuple((n, json.dumps(getattr(self, n), sort_keys=True, default=str))
+                     for n in GLA_FIELDS)
+
+    def __eq__(self, other):
+        return isinstance(other, GLAConfig) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    @property
+    def layer_types(self) -> list:
+        """Every block holds a recurrent state: transformers' `DynamicCache(config=...)`
+        gives each a linear-attention cache layer."""
+        return ["linear_attention"] * self.num_hidden_layers
 
     @property
     def layer(self) -> LayerConfig:
@@ -153,46 +194,44 @@ class GLAConfig:
         e = self.eos_token_id
         return () if e is None else (e,) if isinstance(e, int) else tuple(e)
 
-    # ---------------------------------------------------------------- JSON
-    def to_dict(self) -> dict:
-        """config.json's content: every field, plus model_type and architectures."""
-        d = asdict(self)
-        if isinstance(d["eos_token_id"], tuple):
-            d["eos_token_id"] = list(d["eos_token_id"])
-        return {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, **d}
-
     @classmethod
-    def from_dict(cls, d: dict) -> "GLAConfig":
-        """From a config dict as fla / transformers write it: model_type must be "gla"
-        (if present); keys that are not GLAConfig fields (transformers' own, such as
-        dtype, transformers_version, architectures) are ignored."""
-        if not isinstance(d, dict):
-            raise TypeError(f"d: expected a dict, got {type(d).__name__}")
-        if d.get("model_type", MODEL_TYPE) != MODEL_TYPE:
-            raise ValueError(f"model_type: expected {MODEL_TYPE!r}, got {d['model_type']!r}")
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+    def from_dict(cls, config_dict, **kwargs) -> "GLAConfig":
+        """transformers' from_dict, after checking model_type is "gla" (when present)."""
+        if not isinstance(config_dict, dict):
+            raise TypeError(f"config_dict: expected a dict, got {type(config_dict).__name__}")
+        got = config_dict.get("model_type", MODEL_TYPE)
+        if got != MODEL_TYPE:
+            raise ValueError(f"model_type: expected {MODEL_TYPE!r}, got {got!r}")
+        return super().from_dict(dict(config_dict), **kwargs)
 
-    @classmethod
-    def from_json(cls, path) -> "GLAConfig":
-        """From a config.json file, or a directory holding one."""
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        if not os.path.isfile(path):
-            raise ValueError(f"path: no config.json at {path}")
-        with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+    def to_json(self) -> str:
+        """config.json's text as checkpoints carry it: every field (not only those off
+        their defaults, so any reader of fla's fields sees the same model), model_type,
+        architectures [GLAForCausalLM]."""
+        d = self.to_dict()
+        d.pop("_name_or_path", None)
+        d["architectures"] = [ARCHITECTURE]
+        return json.dumps(d, indent=2, sort_keys=True) + "\n"
 
-    def save(self, directory, **extra) -> str:
-        """Write `directory`/config.json (the directory is created); `extra` keys (such
-        as dtype) are added. Returns the file's path."""
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, "config.json")
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump({**self.to_dict(), **extra}, f, indent=2, sort_keys=True)
-            f.write("\n")
-        return path
+
+GLA_FIELDS = tuple(f.name for f in fields(GLAConfig)
+                   if f.name not in {b.name for b in fields(PreTrainedConfig)})
+
+
+def register_auto_config() -> bool:
+    """Register GLAConfig with transformers' AutoConfig for model_type "gla", unless
+    something holds it already; True when registered. flash-linear-attention registers
+    its own GLAConfig (overwriting) whenever `fla` is imported, before or after us, so
+    with fla imported the Auto classes give fla's model and without it ours: we never
+    replace another library's registration. Our classes load a "gla" directory
+    whatever is registered (`GLAForCausalLM.from_pretrained`)."""
+    if MODEL_TYPE in CONFIG_MAPPING:
+        return CONFIG_MAPPING[MODEL_TYPE] is GLAConfig
+    AutoConfig.register(MODEL_TYPE, GLAConfig)
+    return True
+
+
+register_auto_config()
 
 
 def model_param_shapes(config: GLAConfig) -> dict:
@@ -222,33 +261,3 @@ def init_rule(name: str) -> str:
     if name.endswith("norm.weight") or name.endswith("norm_swish_gate.weight"):
         return "ones"
     return "zeros" if name.endswith(".bias") else "normal"
-
-
-def generate_options(config: GLAConfig, max_new_tokens, temperature, top_k, eos_token_id) -> tuple:
-    """Check `generate`'s scalar options (both frameworks) and return the eos ids as a tuple."""
-    V = config.vocab_size
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or \
-            max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
-    if not isinstance(temperature, (int, float)) or not temperature >= 0:
-        raise ValueError(f"temperature: expected a number >= 0, got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k: expected None or an int >= 1, got {top_k!r}")
-    eos = () if eos_token_id is None else (eos_token_id,) if isinstance(
-        eos_token_id, int) else tuple(eos_token_id)
-    if not all(isinstance(e, int) and 0 <= e < V for e in eos):
-        raise ValueError(f"eos_token_id: expected token ids in [0, {V}), got {eos_token_id!r}")
-    return eos
-
-
-def check_prompt_offsets(cu, rows: int, total: int) -> None:
-    """`generate`'s packed prompts: cu [N+1] (host values) increasing from 0 to `total`,
-    input_ids [1, total] (`rows` == 1), every prompt non-empty."""
-    import numpy as np
-
-    cu = np.asarray(cu)
-    if rows != 1 or cu.ndim != 1 or len(cu) < 2 or cu[0] != 0 or cu[-1] != total or \
-            (np.diff(cu) <= 0).any():
-        raise ValueError(f"cu_seqlens: expected increasing offsets from 0 to the token count "
-                         f"{total} of input_ids [1, total] (every prompt non-empty), "
-                         f"got {cu.tolist()}")

@@ -10,8 +10,9 @@ __all__ = ["recurrent", "recurrent_gla", "lightning_attn", "gla_attention", "eas
 
 
 def __getattr__(name):
-    # the language model (jax_side.models) needs flax, the `models` extra; the ops do not
-    if name in ("GLAModel", "GLAForCausalLM"):
+    # the language model (jax_side.models; GLAConfig is bridge.model_config's, shared with
+    # torch_side) needs flax and transformers, the `models` extra; the ops do not
+    if name in ("GLAConfig", "GLAModel", "GLAForCausalLM"):
         from . import models
 
         return getattr(models, name)

@@ -61,12 +61,14 @@ FEATURE_MAPS = {
 }
 
 
-def _linear(x, w, b=None):
+def linear(x, w, b=None):
+    """x [..., in] @ w.T (+ b): w [out, in] as torch stores it, cast to x's dtype."""
     y = x @ w.T.astype(x.dtype)
     return y if b is None else y + b.astype(y.dtype)
 
 
-def _rms_norm(x, w, eps):
+def rms_norm(x, w, eps):
+    """RMSNorm over the last dim with weight w, in float32, returned in x's dtype."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (y * w.astype(jnp.float32)).astype(x.dtype)
@@ -81,9 +83,9 @@ def _apply(params, x, config, kind, attention_mask, cu_seqlens, state, use_cache
     check_inputs(c, x, attention_mask, cu_seqlens, state)
     H, Hk, K, V = c.num_heads, c.kv_heads, c.head_k_dim, c.head_v_dim
     lead = x.shape[:-1]
-    q = _linear(x, params["q_proj.weight"]).reshape(*lead, H, K)
-    k = _linear(x, params["k_proj.weight"]).reshape(*lead, Hk, K)
-    v = _linear(x, params["v_proj.weight"]).reshape(*lead, Hk, V)
+    q = linear(x, params["q_proj.weight"]).reshape(*lead, H, K)
+    k = linear(x, params["k_proj.weight"]).reshape(*lead, Hk, K)
+    v = linear(x, params["v_proj.weight"]).reshape(*lead, Hk, V)
     if c.feature_map is not None:  # before the mask: padding keeps q = k = 0 (a map may
         # send 0 elsewhere), so its outputs stay zero
         q, k = (FEATURE_MAPS[c.feature_map](t) for t in (q, k))
@@ -93,8 +95,8 @@ def _apply(params, x, config, kind, attention_mask, cu_seqlens, state, use_cache
     opts = dict(initial_state=state, cu_seqlens=cu_seqlens, mode=mode, platform=platform,
                 context_axis=context_axis)
     if kind == "gla":
-        low = _linear(x, params["gk_proj.0.weight"])
-        gk = _linear(low, params["gk_proj.1.weight"], params["gk_proj.1.bias"])
+        low = linear(x, params["gk_proj.0.weight"])
+        gk = linear(low, params["gk_proj.1.weight"], params["gk_proj.1.bias"])
         gk = jax.nn.log_sigmoid(gk.astype(jnp.float32)) / c.gate_logit_normalizer
         if c.clamp_min is not None:
             gk = jnp.maximum(gk, c.clamp_min)
@@ -108,11 +110,11 @@ def _apply(params, x, config, kind, attention_mask, cu_seqlens, state, use_cache
         gamma = jnp.asarray(variants.lightning_g_gamma(H, c.layer_idx, c.num_layers))
         g = jnp.where(mask[..., 0], gamma, 0.0)  # [B,T,H]
         o, final_state = ops.recurrent(q, k, v, g=g, **opts)
-    o = _rms_norm(o, params[c.norm_param], c.norm_eps)
+    o = rms_norm(o, params[c.norm_param], c.norm_eps)
     if c.use_output_gate:
-        g = _linear(x, params["g_proj.weight"]).reshape(*lead, H, V)
+        g = linear(x, params["g_proj.weight"]).reshape(*lead, H, V)
         o = o * jax.nn.silu(g)
-    o = _linear(o.reshape(*lead, H * V), params["o_proj.weight"])
+    o = linear(o.reshape(*lead, H * V), params["o_proj.weight"])
     return (o, final_state) if use_cache else o
 
 

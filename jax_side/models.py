@@ -25,13 +25,13 @@ shard over any other mesh axis (say "data") by sharding input_ids. Head sharding
 num_heads and num_kv_heads divisible by the axis size.
 
 Recurrent state: `states` is a list with one [N, H, K, V] float32 state per layer.
-`generate` runs the prompt as one chunked call per layer, then one recurrent step per
-layer for each new token, all in one jax.jit-compiled lax.while_loop.
+`generate` (transformers' decoding options, jax_side.decoding) runs the prompt as one
+chunked call per layer, then one recurrent step per layer for each new token, all in
+one jax.jit-compiled lax.while_loop.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 
 import jax
@@ -40,8 +40,9 @@ import numpy as np
 from flax import nnx
 
 from bridge import checkpoint
-from bridge.model_config import GLAConfig, check_prompt_offsets, generate_options, init_rule
-from .layers import _linear, _rms_norm, gla_apply
+from bridge.model_config import GLAConfig, init_rule
+from . import decoding
+from .layers import gla_apply, linear, rms_norm
 
 MODEL_AXIS = "model"
 
@@ -82,7 +83,7 @@ class Linear(nnx.Module):
         self.bias = init("bias", (d_out,), spec[:1]) if bias else None
 
     def __call__(self, x):
-        return _linear(x, self.weight[...], None if self.bias is None else self.bias[...])
+        return linear(x, self.weight[...], None if self.bias is None else self.bias[...])
 
 
 class RMSNorm(nnx.Module):
@@ -93,7 +94,7 @@ class RMSNorm(nnx.Module):
         self.weight = init(f"{name}.weight", (dim,), (None,))
 
     def __call__(self, x):
-        return _rms_norm(x, self.weight[...], self.eps)
+        return rms_norm(x, self.weight[...], self.eps)
 
 
 class GatedLinearAttention(nnx.Module):
@@ -261,7 +262,7 @@ class GLAForCausalLM(nnx.Module):
     def logits(self, h):
         """hidden [..., D] -> logits [..., vocab] (the tied embedding's transpose or lm_head)."""
         if self.config.tie_word_embeddings:
-            return _linear(h, self.model.embeddings.weight[...])
+            return linear(h, self.model.embeddings.weight[...])
         return self.lm_head(h)
 
     def __call__(self, input_ids=None, attention_mask=None, cu_seqlens=None, states=None,
@@ -315,31 +316,36 @@ class GLAForCausalLM(nnx.Module):
                                    max_shard_size=max_shard_size)
 
     # ---------------------------------------------------------------- generation
-    def generate(self, input_ids, max_new_tokens, *, temperature=0.0, top_k=None,
-                 eos_token_id=None, attention_mask=None, cu_seqlens=None, rng=None,
-                 seed=None):
+    def generate(self, input_ids, max_new_tokens, *, attention_mask=None, cu_seqlens=None,
+                 do_sample=False, temperature=1.0, top_k=None, top_p=None,
+                 repetition_penalty=None, eos_token_id=decoding.FROM_CONFIG,
+                 pad_token_id=decoding.FROM_CONFIG, rng=None, seed=None):
         """New tokens [N, max_new_tokens] (int32) after each prompt (N = B, or
         len(cu_seqlens) - 1 with input_ids packed [1, total]). Prompts of different
         lengths: left padding with attention_mask [B, T], or packed with cu_seqlens.
 
-        temperature 0: greedy (argmax, the first on ties); > 0: samples softmax(logits /
-        temperature) over the top_k largest (all when None; ties at the k-th kept) with
-        `rng` (a jax.random key) or jax.random.key(seed). eos_token_id (an id or a
-        list): a sequence that emits one is done; its later tokens are
-        config.pad_token_id, or the eos id it emitted when there is none; when every
-        sequence is done the loop stops. One compile per (shapes, max_new_tokens, top_k,
-        number of eos ids, greedy or sampling); temperature and the ids are traced."""
+        transformers' options and defaults: do_sample=False is greedy (argmax, the first
+        on ties); do_sample=True samples with `rng` (a jax.random key) or
+        jax.random.key(seed), after temperature, top_k, top_p (jax_side.decoding.
+        process_logits: transformers' processors). repetition_penalty (greedy or not)
+        penalises every token the prompt holds or the row has emitted. eos_token_id (an
+        id or a list; default the config's, None for none): a sequence that emits one is
+        done; its later tokens are pad_token_id (default the config's), or the eos id it
+        emitted when there is none; when every sequence is done the loop stops. One
+        compile per (shapes, max_new_tokens, do_sample, top_k, whether top_p and
+        repetition_penalty are given, number of eos ids); their values are traced."""
         cfg = self.config
-        V = cfg.vocab_size
-        eos = generate_options(cfg, max_new_tokens, temperature, top_k, eos_token_id)
-        _check_ids(input_ids, V)
+        eos, pad = decoding.check_options(cfg, max_new_tokens, do_sample, temperature, top_k,
+                                          top_p, repetition_penalty, eos_token_id,
+                                          pad_token_id)
+        _check_ids(input_ids, cfg.vocab_size)
         ids = jnp.asarray(input_ids)
         if cu_seqlens is not None:
             if attention_mask is not None:
                 raise ValueError("attention_mask: give either attention_mask or cu_seqlens, "
                                  "not both")
             cu = np.asarray(cu_seqlens)
-            check_prompt_offsets(cu, ids.shape[0], ids.shape[1])
+            decoding.check_prompt_offsets(cu, ids.shape[0], ids.shape[1])
             N = len(cu) - 1
             cu_seqlens = jnp.asarray(cu, jnp.int32)
         else:
@@ -350,25 +356,24 @@ class GLAForCausalLM(nnx.Module):
                     raise ValueError("attention_mask: expected [B, T] with left padding "
                                      "(every prompt's last token real)")
                 attention_mask = jnp.asarray(m)
-        greedy = temperature == 0
-        if greedy:
+        if not do_sample:
             key = jax.random.key(0)  # unused
         elif rng is not None:
             key = rng
         elif seed is not None:
             key = jax.random.key(seed)
         else:
-            raise ValueError("rng: sampling (temperature > 0) needs rng= (a jax.random key) "
+            raise ValueError("rng: sampling (do_sample=True) needs rng= (a jax.random key) "
                              "or seed=")
         if max_new_tokens == 0:
             return jnp.zeros((N, 0), jnp.int32)
         graphdef, state = nnx.split(self)
-        # eos ids and the pad id are traced (-1: none), so they cost no compile
-        pad = -1 if cfg.pad_token_id is None else cfg.pad_token_id
-        return _generate(graphdef, state, ids, attention_mask, cu_seqlens, key,
-                         jnp.float32(temperature or 1.0), jnp.asarray(eos or (-1,), jnp.int32),
-                         jnp.int32(pad), max_new_tokens=max_new_tokens, greedy=greedy,
-                         top_k=top_k)
+        f32 = lambda v: jnp.float32(1.0 if v is None else v)  # noqa: E731
+        return decoding.decode(
+            graphdef, state, ids, attention_mask, cu_seqlens, key, f32(temperature), f32(top_p),
+            f32(repetition_penalty), jnp.asarray(eos or (-1,), jnp.int32), jnp.int32(pad),
+            max_new_tokens=max_new_tokens, sample=do_sample, top_k=top_k,
+            use_top_p=top_p is not None, use_penalty=repetition_penalty is not None)
 
 
 def causal_lm_loss(logits, labels):
@@ -408,54 +413,3 @@ def _as_jax(x):
     if hasattr(x, "detach"):  # torch: DLPack refuses tensors that require grad
         x = x.detach()
     return jnp.array(jax.dlpack.from_dlpack(x), copy=True)
-
-
-def _pick(logits, key, temperature, greedy, top_k):
-    """The next token of each row of logits [N, V] float32 (see generate)."""
-    if greedy:
-        return jnp.argmax(logits, -1).astype(jnp.int32)
-    logits = logits / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, -1).astype(jnp.int32)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "top_k"))
-def _generate(graphdef, state, ids, attention_mask, cu_seqlens, key, temperature, eos, pad, *,
-              max_new_tokens, greedy, top_k):
-    """generate's compiled body: the prompt in one call per layer, then a while_loop of
-    recurrent steps that ends after max_new_tokens or when every sequence is done."""
-    model = nnx.merge(graphdef, state)
-    h, states = model.model(ids, attention_mask=attention_mask, cu_seqlens=cu_seqlens,
-                            use_cache=True)
-    h = h[0, cu_seqlens[1:] - 1] if cu_seqlens is not None else h[:, -1]
-    N = h.shape[0]
-
-    def choose(h, i, done, fill):
-        tok = _pick(model.logits(h).astype(jnp.float32), jax.random.fold_in(key, i),
-                    temperature, greedy, top_k)
-        tok = jnp.where(done, fill, tok)
-        new = ~done & jnp.isin(tok, eos)
-        fill = jnp.where(new, jnp.where(pad < 0, tok, pad), fill)
-        return tok, done | new, fill
-
-    done = jnp.zeros((N,), bool)
-    fill = jnp.zeros((N,), jnp.int32)
-    tok, done, fill = choose(h, 0, done, fill)
-    out = jnp.zeros((N, max_new_tokens), jnp.int32).at[:, 0].set(tok)
-
-    def cond(carry):
-        i, _, _, _, done, _ = carry
-        return (i < max_new_tokens) & ~jnp.all(done)
-
-    def body(carry):
-        i, tok, states, out, done, fill = carry
-        h, states = model.model(tok[:, None], states=states, use_cache=True)
-        tok, done, fill = choose(h[:, -1], i, done, fill)
-        return i + 1, tok, states, out.at[:, i].set(tok), done, fill
-
-    i, _, _, out, done, fill = jax.lax.while_loop(
-        cond, body, (jnp.int32(1), tok, states, out, done, fill))
-    # columns the loop did not reach (everything done): the rows' fill tokens
-    return jnp.where(jnp.arange(max_new_tokens)[None] >= i, fill[:, None], out)

@@ -181,7 +181,8 @@ class ModelBackend:
             import torch
 
             with torch.no_grad():
-                out = model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask))
+                out = model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                            use_cache=False).logits
             return out.float().numpy()
         import jax.numpy as jnp
 
@@ -192,12 +193,15 @@ class ModelBackend:
         if self.framework == "torch":
             import torch
 
-            return model.generate(torch.from_numpy(padded), steps,
-                                  attention_mask=torch.from_numpy(mask)).numpy()
+            out = model.generate(torch.from_numpy(padded), max_new_tokens=steps,
+                                 attention_mask=torch.from_numpy(mask), eos_token_id=None,
+                                 pad_token_id=0)
+            return out[:, padded.shape[1]:].numpy()
         import jax.numpy as jnp
 
         return np.asarray(model.generate(jnp.asarray(padded, jnp.int32), steps,
-                                         attention_mask=jnp.asarray(mask, jnp.int32)))
+                                         attention_mask=jnp.asarray(mask, jnp.int32),
+                                         eos_token_id=None))
 
 
 @functools.lru_cache(maxsize=None)

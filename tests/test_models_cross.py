@@ -1,7 +1,8 @@
 """The JAX GLA model (jax_side/models.py) against the PyTorch one (torch_side/models.py)
 and flash-linear-attention's own: one checkpoint directory, the same logits (fp32 and
 bf16), the same greedy tokens for 32 steps from mixed-length prompts (left-padded and
-packed, against torch's one-by-one runs), the same training gradients, and checkpoints
+packed, against torch's one-by-one runs of transformers' generate, with and without a
+repetition penalty), the same training gradients, and checkpoints
 written by JAX loading strictly into torch and fla.
 
 fla's model runs on CPU as in test_models_torch.py (its fixture: interpreted Triton
@@ -52,7 +53,7 @@ def test_torch_checkpoint_gives_the_same_logits_in_jax_and_back(name, tmp_path):
     j = load_jax(tmp_path / "torch")  # safetensors -> NumPy -> jax
     x, mask = batch()
     with torch.no_grad():
-        want = m(x, attention_mask=mask)
+        want = m(x, attention_mask=mask).logits
     got = forward(j, to_jax(x), to_jax(mask))
     keep = mask.bool().numpy()
     assert rel_err(np.asarray(got)[keep], want.numpy()[keep]) <= TOL
@@ -102,9 +103,9 @@ def test_bf16_checkpoint_agrees_within_bf16_rounding(tmp_path):
     x, mask = batch()
     keep = mask.bool().numpy()
     with torch.no_grad():
-        ref = m(x, attention_mask=mask).numpy()[keep]
+        ref = m(x, attention_mask=mask).logits.numpy()[keep]
         m.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
-        want = m(x, attention_mask=mask).float().numpy()[keep]
+        want = m(x, attention_mask=mask).logits.float().numpy()[keep]
     j = load_jax(tmp_path / "bf16")
     assert j.model.dtype == jnp.bfloat16
     got = np.asarray(forward(j, to_jax(x), to_jax(mask)).astype(jnp.float32))[keep]
@@ -115,23 +116,30 @@ def test_bf16_checkpoint_agrees_within_bf16_rounding(tmp_path):
 
 def test_greedy_tokens_of_mixed_length_prompts_equal_torch_one_by_one(tmp_path):
     """32 greedy tokens from prompts of lengths 7, 3, 5: JAX left-padded and JAX packed
-    equal torch's one-by-one runs token for token."""
-    m = ours("gqa_tied_clamp_sigmoid")
+    equal torch's (transformers' generate) one-by-one runs token for token; with a
+    repetition penalty too (packed: each prompt's own tokens penalised, as one by one)."""
+    m = ours("gqa_tied_clamp_sigmoid", seed=3)  # a seed whose tokens do not loop at once
     m.save_pretrained(tmp_path / "m")
     j = load_jax(tmp_path / "m")
     prompts = [ids(1, n, seed=10 + n) for n in (7, 3, 5)]
-    want = torch.cat([m.generate(p, 32) for p in prompts]).numpy()
+    kw = dict(max_new_tokens=32, eos_token_id=None, pad_token_id=0)
+    want = torch.cat([m.generate(p, **kw)[:, -32:] for p in prompts]).numpy()
     assert len(np.unique(want)) > 8  # not a constant stream: the comparison has teeth
     T = 7
     padded = torch.full((3, T), 9)
     mask = torch.zeros(3, T, dtype=torch.long)
     for i, p in enumerate(prompts):
         padded[i, T - p.shape[1]:], mask[i, T - p.shape[1]:] = p[0], 1
-    got = j.generate(to_jax(padded), 32, attention_mask=to_jax(mask))
+    got = j.generate(to_jax(padded), 32, attention_mask=to_jax(mask), eos_token_id=None)
     assert np.array_equal(np.asarray(got), want)
-    packed = torch.cat(prompts, 1)
-    got = j.generate(to_jax(packed), 32, cu_seqlens=[0, 7, 10, 15])
-    assert np.array_equal(np.asarray(got), want)
+    packed, cu = to_jax(torch.cat(prompts, 1)), [0, 7, 10, 15]
+    assert np.array_equal(np.asarray(j.generate(packed, 32, cu_seqlens=cu, eos_token_id=None)),
+                          want)
+    penalised = torch.cat([m.generate(p, repetition_penalty=1.3, **kw)[:, -32:]
+                           for p in prompts]).numpy()
+    assert not np.array_equal(penalised, want)
+    got = j.generate(packed, 32, cu_seqlens=cu, eos_token_id=None, repetition_penalty=1.3)
+    assert np.array_equal(np.asarray(got), penalised)
 
 
 def test_jitted_training_step_gradients_equal_torch(tmp_path):
@@ -154,6 +162,16 @@ def test_jitted_training_step_gradients_equal_torch(tmp_path):
         assert rel_err(flat[n], p.grad) < 2e-5, n
     new = jax.tree.map(lambda p, g: p - 0.5 * g, state, grads)
     assert float(value_and_grad(new, to_jax(x))[0]) < float(got)
+
+
+def test_one_config_class_and_the_same_names_in_both_frameworks():
+    import jax_side
+    import torch_side
+    from bridge.model_config import GLAConfig
+
+    assert jax_side.GLAConfig is torch_side.GLAConfig is GLAConfig
+    assert (jax_side.GLAForCausalLM, torch_side.GLAForCausalLM) == (JaxLM, TorchLM)
+    assert jax_side.GLAModel.__name__ == torch_side.GLAModel.__name__ == "GLAModel"
 
 
 def test_feature_maps_agree_elementwise():

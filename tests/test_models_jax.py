@@ -1,5 +1,6 @@
 """The JAX GLA model (jax_side/models.py) on its own: prefill + decode against its own
-full-sequence forward, generate's sampling and eos rules against its greedy tokens,
+full-sequence forward, generate's sampling and eos rules against its greedy tokens, its
+logits processing against transformers' processors,
 the sharding annotations, input errors, and a training step on a (data x model) mesh of
 4 host devices against the same step on one device.
 
@@ -80,7 +81,7 @@ def test_generate_is_argmax_of_its_own_forward_and_eos_stops():
     forcing, one call); eos_token_id ends rows with the eos id, or pad_token_id."""
     m = jax_model(**GQA)
     x, mask = padded_prompts()
-    new = m.generate(x, 32, attention_mask=mask)
+    new = m.generate(x, 32, attention_mask=mask, eos_token_id=None)
     assert new.shape == (3, 32) and new.dtype == jnp.int32
     seq = jnp.concatenate([x, new], 1)
     seq_mask = jnp.concatenate([mask, jnp.ones_like(new)], 1)
@@ -105,22 +106,55 @@ def test_generate_is_argmax_of_its_own_forward_and_eos_stops():
 def test_sampling_is_reproducible_and_top_k_keeps_the_largest():
     m = jax_model(**GQA)
     x, mask = padded_prompts()
-    kw = dict(attention_mask=mask, temperature=0.8, top_k=5)
+    kw = dict(attention_mask=mask, do_sample=True, temperature=0.8, top_k=5, top_p=0.9,
+              repetition_penalty=1.2, eos_token_id=None)
     a = m.generate(x, 32, seed=7, **kw)
     assert np.array_equal(a, m.generate(x, 32, rng=jax.random.key(7), **kw))
     assert not np.array_equal(a, m.generate(x, 32, seed=8, **kw))
-    # at a very low temperature the top-5 sample is the argmax
+    # at a very low temperature the sample is the (penalised) argmax
     cold = m.generate(x, 32, seed=1, **{**kw, "temperature": 1e-6})
-    assert np.array_equal(cold, m.generate(x, 32, attention_mask=mask))
+    greedy = m.generate(x, 32, attention_mask=mask, eos_token_id=None, repetition_penalty=1.2)
+    assert np.array_equal(cold, greedy)
+    assert not np.array_equal(greedy, m.generate(x, 32, attention_mask=mask, eos_token_id=None))
+
+
+def test_logits_processing_equals_transformers_processors():
+    """process_logits against transformers' own RepetitionPenalty, Temperature, TopK and
+    TopP processors on the same logits (and the same tokens seen)."""
+    torch = pytest.importorskip("torch")
+    from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
+                              TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    from jax_side.decoding import process_logits
+
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((4, 64)) * 3).astype(np.float32)
+    history = rng.integers(0, 64, (4, 9))
+    seen = np.zeros((4, 64), bool)
+    np.put_along_axis(seen, history, True, 1)
+    for kw in [dict(penalty=1.3), dict(temperature=0.7, top_k=5),
+               dict(penalty=0.8, temperature=1.3, top_p=0.6), dict(top_p=0.95, top_k=40)]:
+        hf = LogitsProcessorList(
+            ([RepetitionPenaltyLogitsProcessor(kw["penalty"])] if "penalty" in kw else [])
+            + ([TemperatureLogitsWarper(kw["temperature"])] if "temperature" in kw else [])
+            + ([TopKLogitsWarper(kw["top_k"])] if "top_k" in kw else [])
+            + ([TopPLogitsWarper(kw["top_p"])] if "top_p" in kw else []))
+        want = hf(torch.from_numpy(history), torch.from_numpy(logits)).numpy()
+        got = np.asarray(process_logits(jnp.asarray(logits), jnp.asarray(seen), **kw))
+        assert np.array_equal(np.isinf(got), np.isinf(want)), kw
+        assert 0 < np.isinf(want).sum() < want.size or "top" not in str(kw), kw
+        keep = ~np.isinf(want)
+        np.testing.assert_allclose(got[keep], want[keep], rtol=1e-6, err_msg=str(kw))
 
 
 def test_bad_inputs_raise_naming_the_argument():
     m = jax_model()
     x = ids(2, 5, seed=8)
     for kw, name in [(dict(max_new_tokens=-1), "max_new_tokens"),
-                     (dict(temperature=-1.0), "temperature"), (dict(top_k=0), "top_k"),
-                     (dict(eos_token_id=64), "eos_token_id"),
-                     (dict(temperature=1.0), "rng: sampling")]:
+                     (dict(temperature=0.0), "temperature"), (dict(top_k=0), "top_k"),
+                     (dict(top_p=1.5), "top_p"), (dict(repetition_penalty=0), "repetition"),
+                     (dict(eos_token_id=64), "eos_token_id"), (dict(pad_token_id=-1), "pad"),
+                     (dict(do_sample=1), "do_sample"), (dict(do_sample=True), "rng: sampling")]:
         with pytest.raises(ValueError, match=name):
             m.generate(x, **{"max_new_tokens": 2, **kw})
     right_padded = np.ones((2, 5), np.int32)

@@ -1,6 +1,7 @@
 """The PyTorch GLA language model (torch_side/models.py) and its checkpoints
 (bridge/checkpoint.py): against flash-linear-attention's own GLAForCausalLM, against its
-own full-sequence forward (prefill + decode, batched prompts, greedy generation), and
+own full-sequence forward (prefill + decode through transformers' cache, batched prompts,
+greedy generation), and
 trained under torch.compile and DDP against eager and one process.
 
 fla's model runs here on CPU: its Triton kernels under the interpreter (TRITON_INTERPRET=1,
@@ -14,6 +15,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from transformers import DynamicCache
 
 import bridge.kernels  # noqa: F401  (decides on Triton's interpreter before triton loads)
 from bridge import checkpoint
@@ -89,7 +91,7 @@ def test_fla_checkpoint_loads_strictly_and_logits_match_fla(name, fla_model, tmp
     with torch.no_grad():
         want = fla(x).logits
         want_pad = fla(x, attention_mask=mask).logits
-        got, got_pad = model(x), model(x, attention_mask=mask)
+        got, got_pad = model(x).logits, model(x, attention_mask=mask).logits
     assert rel_err(got, want) <= TOL, rel_err(got, want)
     assert rel_err(got_pad[mask.bool()], want_pad[mask.bool()]) <= TOL
 
@@ -142,14 +144,15 @@ def test_checkpoint_errors_name_the_problem(tmp_path):
     # a config of another shape against these weights: the strict load refuses
     other = GLAConfig(**{**SMALL, "num_kv_heads": 1})
     checkpoint.write_weights(tmp_path / "other", params)
-    other.save(tmp_path / "other")
+    (tmp_path / "other" / "config.json").write_text(other.to_json())
     with pytest.raises(ValueError, match="k_proj.weight: expected"):
         GLAForCausalLM.from_pretrained(tmp_path / "other")
     with pytest.raises(ValueError, match="only safetensors"):
         (tmp_path / "pickle").mkdir()
         (tmp_path / "pickle" / "pytorch_model.bin").write_bytes(b"")
-        cfg.save(tmp_path / "pickle")
+        (tmp_path / "pickle" / "config.json").write_text(cfg.to_json())
         GLAForCausalLM.from_pretrained(tmp_path / "pickle")
+    (tmp_path / "nothing").mkdir()
     with pytest.raises(ValueError, match="config.json"):
         GLAForCausalLM.from_pretrained(tmp_path / "nothing")
     checkpoint.write_weights(tmp_path / "both", params, max_shard_size="10KB")
@@ -176,18 +179,18 @@ def test_unsupported_fla_options_raise_naming_the_option(option, value):
 
 
 # ---------------------------------------------------------------- decoding
-def test_prefill_then_decode_equals_the_full_forward():
+def test_prefill_then_decode_through_the_transformers_cache_equals_the_full_forward():
     m = ours("gqa_tied_clamp_sigmoid")
     x = ids(2, 12, seed=4)
+    cache = DynamicCache(config=m.config)  # one linear-attention layer per block
     with torch.no_grad():
-        full = m(x)
-        logits, states = m(x[:, :5], use_cache=True)  # the prompt: one call per layer
-        steps = [logits]
-        for t in range(5, 12):  # then one recurrent step per token
-            logits, states = m(x[:, t:t + 1], states=states, use_cache=True)
-            steps.append(logits)
-    assert len(states) == m.config.num_hidden_layers
-    assert states[0].shape == (2, *m.config.layer.state_shape(2)[1:])
+        full = m(x, use_cache=False).logits
+        out = m(x[:, :5], cache=cache)  # the prompt: one call per layer
+        steps = [out.logits]
+        for t in range(5, 12):  # then one recurrent step per token, states in place
+            steps.append(m(x[:, t:t + 1], cache=out.cache).logits)
+    assert out.cache is cache and len(cache.layers) == m.config.num_hidden_layers
+    assert cache.layers[0].recurrent_states[0].shape == m.config.layer.state_shape(2)
     assert rel_err(torch.cat(steps, 1), full) < 2e-5
 
 
@@ -195,7 +198,8 @@ def _greedy_by_full_forwards(m, prompt, n):
     seq = prompt
     with torch.no_grad():
         for _ in range(n):
-            seq = torch.cat([seq, m(seq)[:, -1].argmax(-1, keepdim=True)], 1)
+            nxt = m(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], 1)
     return seq[:, prompt.shape[1]:]
 
 
@@ -203,75 +207,47 @@ def _greedy_by_full_forwards(m, prompt, n):
 def test_greedy_generate_equals_argmax_of_full_forwards(name):
     m = ours(name)
     prompt = ids(2, 6, seed=5)
-    got = m.generate(prompt, 8)
-    assert got.shape == (2, 8)
-    assert torch.equal(got, _greedy_by_full_forwards(m, prompt, 8))
+    got = m.generate(prompt, max_new_tokens=8, eos_token_id=None, pad_token_id=0)
+    assert got.shape == (2, 14) and torch.equal(got[:, :6], prompt)
+    assert torch.equal(got[:, 6:], _greedy_by_full_forwards(m, prompt, 8))
 
 
 def test_mixed_length_prompts_left_padded_or_packed_equal_one_by_one():
     m = ours("gqa_tied_clamp_sigmoid")
     prompts = [ids(1, n, seed=10 + n) for n in (7, 3, 5)]
-    one_by_one = torch.cat([m.generate(p, 6) for p in prompts])
+    kw = dict(max_new_tokens=6, eos_token_id=None, pad_token_id=9)
+    one_by_one = torch.cat([m.generate(p, **kw)[:, -6:] for p in prompts])
     T = 7
     padded = torch.full((3, T), 9)  # padding holds real token ids: the mask must hide them
     mask = torch.zeros(3, T, dtype=torch.long)
     for i, p in enumerate(prompts):
         padded[i, T - p.shape[1]:], mask[i, T - p.shape[1]:] = p[0], 1
-    assert torch.equal(m.generate(padded, 6, attention_mask=mask), one_by_one)
+    assert torch.equal(m.generate(padded, attention_mask=mask, **kw)[:, T:], one_by_one)
+    # the prompt's last logits agree too (not only their argmax), packed as well
     packed = torch.cat(prompts, 1)
     cu = torch.tensor([0, 7, 10, 15])
-    assert torch.equal(m.generate(packed, 6, cu_seqlens=cu), one_by_one)
-    # the prompt's last logits agree too (not only their argmax)
     with torch.no_grad():
-        pad_last = m(padded, attention_mask=mask)[:, -1]
-        packed_last = m(packed, cu_seqlens=cu)[0, cu[1:] - 1]
-        single = torch.cat([m(p)[:, -1] for p in prompts])
+        pad_last = m(padded, attention_mask=mask).logits[:, -1]
+        packed_last = m(packed, cu_seqlens=cu).logits[0, cu[1:] - 1]
+        single = torch.cat([m(p).logits[:, -1] for p in prompts])
     assert rel_err(pad_last, single) < 2e-5 and rel_err(packed_last, single) < 2e-5
 
 
-def test_sampling_is_reproducible_and_eos_stops():
-    m = ours()
-    prompt = ids(2, 4, seed=6)
-    a = m.generate(prompt, 10, temperature=0.8, top_k=5, seed=7)
-    assert torch.equal(a, m.generate(prompt, 10, temperature=0.8, top_k=5, seed=7))
-    g = torch.Generator().manual_seed(7)
-    assert torch.equal(a, m.generate(prompt, 10, temperature=0.8, top_k=5, generator=g))
-    assert not torch.equal(a, m.generate(prompt, 10, temperature=0.8, top_k=5, seed=8))
-    greedy = m.generate(prompt, 10)
-    assert torch.equal(m.generate(prompt, 10, temperature=1.5, top_k=1, seed=1), greedy)
-    # stop at the token row 0 emits third: its later tokens become that eos (no pad id)
-    eos = int(greedy[0, 2])
-    got = m.generate(prompt, 10, eos_token_id=[eos])
-    first = [int((row == eos).nonzero()[0]) if (row == eos).any() else 10 for row in greedy]
-    for r in range(2):
-        assert torch.equal(got[r, :first[r] + 1], greedy[r, :first[r] + 1])
-        assert bool((got[r, first[r]:] == eos).all())
-    padded = ours(pad_token_id=0).generate(prompt, 10, eos_token_id=eos)
-    assert bool((padded[0, 3:] == 0).all())
-
-
-def test_bad_generate_and_forward_inputs_raise():
+def test_bad_forward_inputs_raise():
     m = ours()
     x = ids(2, 5, seed=8)
-    for kw, name in [(dict(max_new_tokens=-1), "max_new_tokens"),
-                     (dict(temperature=-1.0), "temperature"), (dict(top_k=0), "top_k"),
-                     (dict(eos_token_id=64), "eos_token_id")]:
-        with pytest.raises(ValueError, match=name):
-            m.generate(x, **{"max_new_tokens": 2, **kw})
-    right_padded = torch.ones_like(x)
-    right_padded[0, -1] = 0
-    with pytest.raises(ValueError, match="attention_mask: expected .* left padding"):
-        m.generate(x, 2, attention_mask=right_padded)
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        m.generate(x[:1], 2, cu_seqlens=torch.tensor([0, 3, 3, 5]))
     with pytest.raises(ValueError, match="input_ids: expected token ids"):
         m(x + 64)
     with pytest.raises(ValueError, match="input_ids: expected an integer"):
         m(x.float())
-    with pytest.raises(ValueError, match="states: expected a list of 2"):
-        m(x, states=[None])
-    with pytest.raises(ValueError, match="config: give either"):
-        GLAForCausalLM(GLAConfig(**SMALL), hidden_size=8)
+    with pytest.raises(TypeError, match="cache: expected a transformers Cache"):
+        m(x, cache=[None, None])
+    with pytest.raises(TypeError, match="config: expected a bridge.model_config.GLAConfig"):
+        GLAForCausalLM(dict(SMALL))
+    with pytest.raises(ValueError, match="not a local directory"):
+        GLAForCausalLM.from_pretrained("fla-hub/gla-1.3B-100B")
+    with pytest.raises(TypeError, match="unsupported arguments"):
+        GLAForCausalLM.from_pretrained(".", device_map="auto")
 
 
 # ---------------------------------------------------------------- training
@@ -309,7 +285,7 @@ def _ddp_worker(rank, world):
     ddp = DistributedDataParallel(dp)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
     mine = x[2 * rank:2 * rank + 2]  # DDP averages the ranks' half-batch gradients
-    causal_lm_loss(ddp(mine), mine).backward()
+    causal_lm_loss(ddp(mine).logits, mine).backward()
     opt.step()
     for (n, a), b in zip(ref.named_parameters(), dp.parameters()):
         assert rel_err(b.detach(), a.detach()) < 2e-6, (rank, n)
