@@ -19,8 +19,9 @@ objects or asked for its kernels.
 - `kernels/`: the Triton kernels and their launch plans (`__init__.py`* asks torch whether
   a GPU is there, to choose Triton's interpreter; `interpreter.py` patches it).
 - `weights.py`*: the layer configuration; weight transfer torch <-> JAX.
-- `model_config.py`, `checkpoint.py`: the language model's configuration and its
-  checkpoints (safetensors, NumPy).
+- `model_config.py`, `checkpoint.py`: the language model's configuration (a transformers
+  `PreTrainedConfig`, shared by both frameworks; transformers itself imports torch where
+  torch is installed) and its checkpoints (safetensors, NumPy).
 - `aot.py`*, `sass.py`, `tripcounts.py`: ahead-of-time GPU builds and the GPU-readiness
   report (torch only for its version line); `aot_fla.py`*: fla's kernels compiled the
   same way (fla's kernels are launched from torch to capture them).
