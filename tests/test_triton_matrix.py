@@ -27,14 +27,16 @@ def test_problems_name_the_triton_arch_kernel_and_variant():
         row("chunk_state_kernel", "gv", ok=False, error="CompilationError: at 10:4"),
         row("chunk_state_kernel", "K128-V128", spill_bytes=257),  # chunk: at most 256 B
         row("chunk_state_kernel", "K64-V64", spill_bytes=256),
-        row("fused_recurrent_fwd_kernel", "gqa", arch=80, spill_bytes=8),  # fused: none
+        row("chunk_state_kernel", "all-bfloat16", arch=80, spill_bytes=900),  # not held
+        row("fused_recurrent_fwd_kernel", "gv", arch=80, spill_bytes=8),
+        row("fused_recurrent_fwd_kernel", "gqa", arch=90, spill_bytes=8),  # fused sm_90: none
         row("fused_recurrent_fwd_kernel", "gk", regs=None),  # not reported: a failure
     ]
     got = tm.problems(rows, "3.6.0", kernels=kernels)
     assert got == [
         "triton 3.6.0 sm_90 chunk_state_kernel [gv, fwd]: CompilationError: at 10:4",
         "triton 3.6.0 sm_90 chunk_state_kernel [K128-V128, fwd]: spills 257 B (at most 256)",
-        "triton 3.6.0 sm_80 fused_recurrent_fwd_kernel [gqa, fwd]: spills 8 B (at most 0)",
+        "triton 3.6.0 sm_90 fused_recurrent_fwd_kernel [gqa, fwd]: spills 8 B (at most 0)",
         "triton 3.6.0 sm_90 fused_recurrent_fwd_kernel [gk, fwd]: registers None (at most 255)",
     ]
     # a kernel no row built is named too
