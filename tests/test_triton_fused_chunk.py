@@ -188,3 +188,37 @@ def test_same_as_chunk_family_bf16():
     torch_runner.run(family("chunk").forward_launches(plan), env)
     assert rel_err(got["o"], env["o"].float().numpy()) < tolerance("bfloat16")
     assert rel_err(got["final_state"], env["final_state"].numpy()) < 1e-5
+
+
+PUBLIC = C("public", H=2, Hk=1, K=8, V=8, seqlens=(70, 0, 5), g="key", gv=True,
+           g_gamma="seq", initial_state=True, packed=True)
+
+
+@pytest.mark.parametrize("backend", ["torch-triton-fused-chunk", "jax-triton-fused-chunk"])
+def test_public_call_by_name(backend):
+    """mode="fused_chunk" through the public torch_side / jax_side functions (their
+    parity backends): o, final state and every gradient against the oracle."""
+    b = {x.name: x for x in backends.all_backends()}[backend]
+    if b.unavailable():
+        pytest.skip(b.unavailable())
+    arrays = backends.prepared(PUBLIC, "float32", 0)
+    assert_close(errors(b.run(PUBLIC, arrays, "float32"),
+                        ORACLE.run(PUBLIC, arrays, "float32")), "float32")
+
+
+def test_dispatch_by_name_only():
+    """By name on any platform that runs Triton ("auto" resolves to it, as for the fused
+    recurrent kernel); never chosen by mode="auto"; the frameworks' chunked paths refuse
+    it with a ValueError naming mode."""
+    from bridge import dispatch
+
+    assert "fused_chunk" in dispatch.MODES
+    plan = contract.check(np.zeros((1, 4096, 1, 8), np.float32),
+                          np.zeros((1, 4096, 1, 8), np.float32),
+                          np.zeros((1, 4096, 1, 8), np.float32))
+    assert dispatch.kernel_mode("fused_chunk", plan) == "fused_chunk"
+    assert dispatch.kernel_mode("auto", plan) == "chunk"
+    assert dispatch.route("auto", "fused_chunk", ("auto", "triton", "torch"), "torch",
+                          gpu=False) == "triton"
+    with pytest.raises(ValueError, match="^mode: 'fused_chunk' is a Triton kernel"):
+        dispatch.route("torch", "fused_chunk", ("auto", "triton", "torch"), "torch", gpu=False)
