@@ -144,7 +144,7 @@ def test_two_value_blocks_and_wide_k():
     plan = contract.check(np.zeros((1, 1, 1, 100), np.float32),
                           np.zeros((1, 1, 1, 100), np.float32),
                           np.zeros((1, 1, 1, 80), np.float32))
-    assert fused_chunk.config(plan) == dict(BK=128, BV=32, NV=3)
+    assert fused_chunk.config(plan) == dict(BK=128, BKI=16, BV=32, NV=3)
     assert_close(run_case(case), "float32")
 
 
@@ -177,8 +177,9 @@ def test_k_too_large_raises():
 
 
 def test_same_as_chunk_family_bf16():
-    """Same math and operand rounding as mode="chunk": in bf16 both land within a few
-    bf16 ulps of each other (independent of the oracle)."""
+    """Same math as mode="chunk" (independent of the oracle): in bf16 the two land within
+    bf16's tolerance of each other (their 16-bit operands are rounded at different
+    chunk boundaries, 32 and 64 tokens)."""
     case = C("vs-chunk", T=100, H=2, Hk=2, K=16, V=16, g="key", initial_state=True)
     arrays = backends.prepared(case, "bfloat16", 1)
     got = run_family(case, arrays, "bfloat16")
@@ -187,7 +188,7 @@ def test_same_as_chunk_family_bf16():
     env = dict(t)
     torch_runner.run(family("chunk").forward_launches(plan), env)
     assert rel_err(got["o"], env["o"].float().numpy()) < tolerance("bfloat16")
-    assert rel_err(got["final_state"], env["final_state"].numpy()) < 1e-5
+    assert rel_err(got["final_state"], env["final_state"].numpy()) < tolerance("bfloat16")
 
 
 PUBLIC = C("public", H=2, Hk=1, K=8, V=8, seqlens=(70, 0, 5), g="key", gv=True,
