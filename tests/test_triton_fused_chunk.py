@@ -81,7 +81,7 @@ FEATURES = [
 
 
 @pytest.mark.parametrize("case", FEATURES, ids=lambda c: c.name)
-def test_forward_features_fp32(case):
+def test_features_fp32(case):
     assert_close(run_case(case), "float32")
 
 

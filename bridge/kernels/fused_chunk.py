@@ -79,7 +79,7 @@ def _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, H: tl.conste
     one block's tiles are live at a time."""
     BT: tl.constexpr = pos.shape[0]
     o_t = tl.arange(0, BT)
-    op: tl.constexpr = op_dtype(q)
+    op: tl.constexpr = op_dtype(q.dtype.element_ty)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
     d = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BKI)):  # no decay: the diagonal (all of A ungated)
@@ -90,7 +90,8 @@ def _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, H: tl.conste
         d = tl.dot(b_q, tl.trans(b_k), d, input_precision=DOT_PREC)
     if KGATE:
         acc = tl.where(o_t[:, None] == o_t[None, :], d, 0.)
-        DT: tl.constexpr = exact_dtype(g, gk, G_MODE, USE_GK, GAMMA_MODE)
+        DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE, USE_GK,
+                                     GAMMA_MODE)
         for lvl in range(0, LEVELS):  # runtime: one level's tiles live at a time
             h = (BT // 2) >> lvl
             upper = (o_t & h) != 0
@@ -125,6 +126,7 @@ def fused_chunk_fwd_kernel(
     """One (sequence x head, V block): o [B,T,H,V] (q's dtype) chunk by chunk and
     ht [N,H,K,V] fp32, the state after the sequence (h0 [N,H,K,V] before it).
     k, v have HK heads; the gates H."""
+    scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0)
     i_nh, i_v = pid // NV, pid % NV
@@ -142,7 +144,7 @@ def fused_chunk_fwd_kernel(
     # stay live through the loop for the final store
     base = i_nh.to(tl.int64) * K * V
     p_kv = o_k[:, None] * V + o_v[None, :]
-    op: tl.constexpr = op_dtype(q)
+    op: tl.constexpr = op_dtype(q.dtype.element_ty)
 
     b_s = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
@@ -153,14 +155,15 @@ def fused_chunk_fwd_kernel(
                      G_MODE, USE_GK, GAMMA_MODE, LEVELS, DOT_PREC)
         b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K).to(tl.float32) * scale
         if KGATE:  # gated from the chunk's start
-            DT: tl.constexpr = exact_dtype(g, gk, G_MODE, USE_GK, GAMMA_MODE)
+            DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE, USE_GK,
+                                           GAMMA_MODE)
             f, _ = _key_gate(seg_matrix(o_t, 2 * BT, DT), DT, g, gk, gamma, row0, pos, mask_t,
                              i_h, o_k, mask_k, H, K, G_MODE, USE_GK, GAMMA_MODE)
             b_q *= f
         acc = tl.dot(b_q.to(op), b_s.to(op), input_precision=DOT_PREC)
         b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V)
         if USE_GV:
-            DV: tl.constexpr = exact_dtype(gv, gv, 0, True, 0)
+            DV: tl.constexpr = exact_dtype(gv.dtype.element_ty, gv.dtype.element_ty, 0, True, 0)
             b = decay_k_in(DV, gv, gv, 0., row0, pos, mask_t, i_h, o_v, mask_v, H, V, 0, True, 0)
             acc *= exp_(seg_sums(seg_matrix(o_t, 2 * BT, DV), b, DV))
             b_vf = b_v.to(tl.float32)
