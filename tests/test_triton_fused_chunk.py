@@ -18,6 +18,9 @@ from bridge.contract import PER_TOKEN  # noqa: E402
 from bridge.kernels import family, fused_chunk  # noqa: E402
 from parity import backends, cases  # noqa: E402
 from parity.compare import assert_close, errors, rel_err, tolerance  # noqa: E402
+# the chunk family's cases: every gate kind, reverse, varlen with empty and one-token
+# sequences, GQA, odd K and V (FEATURES); sequences across several chunks (MULTI_CHUNK)
+from test_triton_chunk import FEATURES, MULTI_CHUNK  # noqa: E402
 
 ORACLE = backends.Oracle()
 FORWARD = ("o", "final_state")
@@ -58,26 +61,6 @@ def run_case(case, dtype="float32", seed=0, backward=False):
 
 
 C = cases.Case
-FEATURES = [
-    C("plain", T=36),
-    C("g-head", T=20, g="head"),
-    C("g-key", T=20, H=1, Hk=1, g="key"),
-    C("gk", T=20, H=1, Hk=1, gk=True),
-    C("gv", T=20, gv=True),
-    C("gamma-head", T=20, g_gamma="head"),
-    C("gamma-seq", B=2, T=20, H=1, Hk=1, g_gamma="seq"),
-    C("initial-state", B=2, T=20, H=1, Hk=1, initial_state=True),
-    C("reverse", T=36, H=1, Hk=1, g="key", gv=True, initial_state=True, reverse=True),
-    C("varlen", H=1, Hk=1, seqlens=(17, 0, 30, 1), g="key", gv=True, initial_state=True,
-      packed=True),
-    C("varlen-reverse", H=1, Hk=1, seqlens=(17, 0, 20), gk=True, initial_state=True,
-      reverse=True),
-    C("gqa", T=20, H=4, Hk=2, K=6, V=10, g="head"),
-    C("odd-kv", T=20, H=1, Hk=1, K=33, V=40, gk=True, gv=True, initial_state=True),
-    C("scale", T=20, H=1, Hk=1, g="head", softmax_scale=0.3),
-    C("everything", H=2, Hk=1, K=5, V=7, g="key", gk=True, gv=True, g_gamma="seq",
-      initial_state=True, reverse=True, seqlens=(20, 1, 0, 18), packed=True),
-]
 
 
 @pytest.mark.parametrize("case", FEATURES, ids=lambda c: c.name)
@@ -85,20 +68,7 @@ def test_features_fp32(case):
     assert_close(run_case(case), "float32")
 
 
-# several 64-token chunks (the state carried on chip across them), small K and V
-MULTI_CHUNK = [
-    C("t129-key-gv-h0", T=129, H=2, Hk=1, K=8, V=12, g="key", gv=True, initial_state=True),
-    C("t150-head-gamma-rev", B=2, T=150, H=2, Hk=2, K=8, V=8, g="head", g_gamma="head",
-      reverse=True),
-    C("t200-gk-gamma-seq", T=200, H=1, Hk=1, K=16, V=8, gk=True, g_gamma="seq",
-      initial_state=True),
-    C("varlen-0-70-130", H=2, Hk=1, K=8, V=8, seqlens=(0, 70, 130), g="key", gk=True, gv=True,
-      g_gamma="seq", initial_state=True, packed=True),
-    C("varlen-rev-odd", H=1, Hk=1, K=5, V=70, seqlens=(70, 1, 65), g="head", gv=True,
-      initial_state=True, reverse=True),
-]
-
-
+# MULTI_CHUNK: several chunks (the state carried on chip across them), small K and V
 @pytest.mark.parametrize("case", MULTI_CHUNK, ids=lambda c: c.name)
 def test_forward_several_chunks_fp32(case):
     assert_close(run_case(case), "float32")
