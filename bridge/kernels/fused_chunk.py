@@ -20,12 +20,13 @@ decays' own values, as 1 or 3 16-bit tensor-core products), the same dot operand
 (the state as a dot operand in q's dtype, as chunk's h in bf16; fp32 "ieee").
 
 Backward: the chunk family's launch list (chunk.backward_launches, 64-token chunks),
-which recomputes the states and A from the inputs. The forward keeps nothing beyond
-the inputs (autograd also holds the final state), so training memory is the chunk
-family's backward with GLA_BRIDGE_CHUNK_KEEP=inputs: no A kept between the passes
-(at (8,4096,16,128,128) bf16 that is 67 MB less than chunk's default); its largest
-buffers are the recomputed h and dh, 512 slots x 16 x 128 x 128 in bf16, 268 MB
-each. An on-chip reverse walk (dh in registers) is not written.
+which recomputes the states and A from the inputs. Nothing is kept from the forward
+(autograd holds the inputs; the chunk family keeps its A as well, 67 MB
+at (8,4096,16,128,128) bf16). The backward's buffers there (`bridge.aot --report`'s
+workspace): 1.015 GB, the chunk family's 0.948 GB plus the A it recomputes, so the peak
+equals the chunk family's; its largest are the recomputed states h and dh, 512 slots x
+16 x 128 x 128 in bf16, 268 MB each. An on-chip reverse walk (dh in registers) is not
+written.
 
 Config: chunks of BT = 32 tokens: [BT, K] operand tiles of 64 rows beside an fp32
 state [128, 64] spilled on sm_90 at 8 warps (the chunk family's h / A stay in HBM
