@@ -612,10 +612,11 @@ def _ints(text):
 
 
 def _variant_mode(args, arch):
-    from .kernels import chunk, fused_recurrent
+    from .kernels import chunk, fused_chunk, fused_recurrent
 
     families = {"fused_recurrent": [fused_recurrent], "chunk": [chunk],
-                "all": [fused_recurrent, chunk]}[args.family]
+                "fused_chunk": [fused_chunk],
+                "all": [fused_recurrent, chunk, fused_chunk]}[args.family]
     rows, failed, built = [], 0, set()
     for label, plan in _variants():
         for stage, launches, dtypes in _stages(families, plan):
@@ -653,7 +654,7 @@ def main(argv=None):
                          "with --report 80 and 90")
     ap.add_argument("--json", nargs="?", const="-",
                     help="write JSON to PATH (no PATH with --report: to stdout)")
-    ap.add_argument("--family", choices=("fused_recurrent", "chunk", "all"),
+    ap.add_argument("--family", choices=("fused_recurrent", "chunk", "fused_chunk", "all"),
                     default="fused_recurrent",
                     help="which kernel family's launch lists to build")
     ap.add_argument("--hints", action=argparse.BooleanOptionalAction, default=None,
@@ -664,7 +665,8 @@ def main(argv=None):
                     help="report one call's launches (shape, dtype, mode) instead")
     ap.add_argument("--shape", type=_ints, default=[8, 4096, 16, 128, 128], help="B,T,H,K,V")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
-    ap.add_argument("--mode", choices=("chunk", "fused_recurrent"), default="chunk")
+    ap.add_argument("--mode", choices=("chunk", "fused_recurrent", "fused_chunk"),
+                    default="chunk")
     ap.add_argument("--gates", choices=tuple(GATES), default="key",
                     help="key: GLA's g [B,T,H,K]; head: g [B,T,H]; gamma: g_gamma [H]; "
                          "all: g, gk, gv and g_gamma")

@@ -16,12 +16,14 @@ from typing import Callable, NamedTuple
 from . import contract
 from .contract import INPUTS, TOKENS, Plan
 
-MODES = ("auto", "chunk", "fused_recurrent")
+MODES = ("auto", "chunk", "fused_recurrent", "fused_chunk")
+# the families that only the Triton platform runs ("chunk" is every platform's chunked form)
+TRITON_ONLY = ("fused_recurrent", "fused_chunk")
 
 
 class Call(NamedTuple):
     """What runs one call: `platform` ("triton", "torch", "xla", "pallas") and `kernel`,
-    the Triton family ("chunk" / "fused_recurrent") or, on the other platforms, the
+    the Triton family ("chunk" / "fused_recurrent" / "fused_chunk") or, on the other platforms, the
     platform itself."""
 
     plan: Plan
@@ -57,18 +59,18 @@ def unbatched(plan: Plan, o):
 
 def route(platform, mode, platforms, fallback: str, gpu: bool, tpu: bool = False) -> str:
     """Validate `platform` and `mode` and resolve "auto": the Triton kernels on a
-    GPU (or when mode="fused_recurrent" asks for them), Pallas on a TPU, else
-    `fallback`, the framework's own chunked path ("torch" or "xla"). ejkernel's
-    platform names outside `platforms` go through `foreign_platform`."""
+    GPU (or when a Triton-only family, `TRITON_ONLY`, is asked for), Pallas on a
+    TPU, else `fallback`, the framework's own chunked path ("torch" or "xla").
+    ejkernel's platform names outside `platforms` go through `foreign_platform`."""
     if platform not in platforms:
         platform = foreign_platform(platform, platforms, fallback, gpu)
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     if platform == "auto":
-        platform = ("triton" if gpu or mode == "fused_recurrent"
+        platform = ("triton" if gpu or mode in TRITON_ONLY
                     else "pallas" if tpu else fallback)
-    if platform in (fallback, "pallas") and mode == "fused_recurrent":
-        raise ValueError(f"mode: 'fused_recurrent' is a Triton kernel; platform='{platform}' "
+    if platform in (fallback, "pallas") and mode in TRITON_ONLY:
+        raise ValueError(f"mode: '{mode}' is a Triton kernel; platform='{platform}' "
                          f"computes the chunked form (use mode='auto' or 'chunk')")
     return platform
 
@@ -129,8 +131,9 @@ def kernel_costs(plan: Plan) -> dict:
 
 
 def kernel_mode(mode: str, plan: Plan) -> str:
-    """Resolve the Triton kernel family: "chunk" or "fused_recurrent" (for
-    mode="auto", the cheaper by `kernel_costs`; the fused kernel on a tie)."""
+    """Resolve the Triton kernel family: `mode` itself when named, else "chunk" or
+    "fused_recurrent" (mode="auto": the cheaper by `kernel_costs`; the fused kernel
+    on a tie; "fused_chunk" only by name until a GPU has ranked it)."""
     if mode != "auto":
         return mode
     cost = kernel_costs(plan)

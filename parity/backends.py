@@ -84,12 +84,18 @@ class Oracle(Backend):
         return dict(o=o, final_state=state, **{"d" + n: g for n, g in grads.items()})
 
 
+def _mode_suffix(mode) -> str:
+    """The backend name's mark of a Triton family other than the default's (fused
+    recurrent): "-chunk", "-fused-chunk"."""
+    return "" if mode in ("auto", "fused_recurrent") else "-" + mode.replace("_", "-")
+
+
 class TorchBackend(Backend):
     framework = "torch"
 
     def __init__(self, platform, mode="auto"):
         self.platform, self.mode = platform, mode
-        self.name = f"torch-{platform}" + ("-chunk" if mode == "chunk" else "")
+        self.name = f"torch-{platform}" + _mode_suffix(mode)
 
     def unavailable(self):
         if importlib.util.find_spec("torch") is None:
@@ -142,7 +148,7 @@ class JaxBackend(Backend):
 
     def __init__(self, platform, mode="auto"):
         self.platform, self.mode = platform, mode
-        self.name = f"jax-{platform}" + ("-chunk" if mode == "chunk" else "")
+        self.name = f"jax-{platform}" + _mode_suffix(mode)
 
     def unavailable(self):
         if importlib.util.find_spec("jax") is None:
@@ -194,4 +200,6 @@ def all_backends():
         TorchBackend("triton", "chunk"),
         JaxBackend("triton", "chunk"),
         JaxBackend("pallas"),
+        TorchBackend("triton", "fused_chunk"),
+        JaxBackend("triton", "fused_chunk"),
     ]

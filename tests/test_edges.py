@@ -93,7 +93,10 @@ FP16_STRONG_CASES = [
     (FP16_STRONG.with_(name="fp16-strong-gates-gv", gv=True), 113),
     (FP16_STRONG.with_(name="fp16-strong-gates-gv-varlen", B=1, T=9, gv=True,
                        initial_state=False, seqlens=(2, 4, 3)), 2089)]
-NOT_CHUNKED = [b for b in BACKENDS if b.name not in ("torch-triton-chunk", "jax-triton-chunk")]
+# (fused-chunk: its backward is the chunk family's)
+NOT_CHUNKED = [b for b in BACKENDS if b.name not in ("torch-triton-chunk", "jax-triton-chunk",
+                                                     "torch-triton-fused-chunk",
+                                                     "jax-triton-fused-chunk")]
 
 
 @pytest.mark.parametrize("case,seed", [pytest.param(c, s, id=c.name) for c, s in FP16_STRONG_CASES])

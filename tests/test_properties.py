@@ -34,6 +34,8 @@ BUDGET = {
     "jax-triton": (0.05, 4, 4, 4),
     "jax-triton-chunk": (0.02, 4, 4, 2),
     "jax-pallas": (0.03, 4, 4, 4),
+    "torch-triton-fused-chunk": (0.02, 4, 4, 2),
+    "jax-triton-fused-chunk": (0.02, 4, 4, 2),
 }
 
 

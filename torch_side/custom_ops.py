@@ -11,7 +11,8 @@ Inputs are in the batched layout (packed inputs viewed as [1, total, H, *]), con
 already validated by `bridge.contract.check` (ops.recurrent calls it first; the op
 checks only the cu_seqlens values it reads, `checks_offsets`). `mode`: "torch" (the
 chunked torch path, torch_side/native.py; final_state float64 for float64 q, else
-float32) or a Triton family, "chunk" / "fused_recurrent" (final_state float32).
+float32) or a Triton family, "chunk" / "fused_recurrent" / "fused_chunk" (final_state
+float32).
 `kept`: the forward buffer the backward reuses instead of recomputing
 (`triton_launch.kept`: chunk's A [B,T,H,BT] under the default plan), else an empty
 [B,0,H,0] (a fixed schema; token-shaped, so DTensor and vmap place it like A).
@@ -43,7 +44,7 @@ from bridge.kernels import INTERPRETED
 from . import dtensor, torch_internals, triton_launch
 from .native import recurrent_native, recurrent_native_backward
 
-MODES = ("torch", "chunk", "fused_recurrent")
+MODES = ("torch", "chunk", "fused_recurrent", "fused_chunk")
 # Triton compiles for a GPU here: the CUDA path goes through triton_op (see module doc)
 CUDA_TRITON = not INTERPRETED and torch.cuda.is_available()
 

@@ -39,7 +39,8 @@ if INTERPRETED:
 
 
 def family(mode: str):
-    """The kernel module for a resolved Triton `mode` ("chunk" or "fused_recurrent"):
+    """The kernel module for a resolved Triton `mode` ("chunk", "fused_recurrent" or
+    "fused_chunk"):
     it provides `forward_launches(plan)`, `kept(plan)` (the forward buffers the backward
     reuses, which the frameworks keep) and `backward_launches(plan, use_dht, kept)`."""
     if mode == "chunk":
@@ -50,5 +51,9 @@ def family(mode: str):
         from . import fused_recurrent
 
         return fused_recurrent
-    raise ValueError(f"mode: expected a resolved kernel family, 'chunk' or 'fused_recurrent', "
-                     f"got {mode!r}")
+    if mode == "fused_chunk":
+        from . import fused_chunk
+
+        return fused_chunk
+    raise ValueError(f"mode: expected a resolved kernel family, 'chunk', 'fused_recurrent' or "
+                     f"'fused_chunk', got {mode!r}")

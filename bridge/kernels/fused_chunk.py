@@ -1,0 +1,255 @@
+"""mode="fused_chunk": the chunked form in one launch, the state on chip through the chunk loop.
+
+One program per (sequence x head, V block) walks its sequence's 32-token chunks in
+processing order with the fp32 state S [K, BV] in registers; per chunk it loads q, k,
+v and the gate tiles, builds the chunk's decays and its intra-chunk matrix A in
+registers (the levels of chunk_fwd.py's module docstring: every exponent a sum of
+consecutive log decays, summed on tensor cores by common.seg_sums), writes o and
+updates S:
+
+    o   = scale (q gated from the chunk's start) S + A v        (gv: by levels)
+    S  <- e^(the chunk's key decays) S e^(its value decays) + (k gated)^T (v gated)
+
+(gated to the chunk's end on the update side). The final state is the only extra
+write: no per-chunk states h, no A, no gated copies in HBM. The name is the design's
+(flash-linear-attention calls its one-kernel GLA with the state in registers
+`fused_chunk` too): the chunked algebra fused into one kernel.
+
+Precision is the chunk family's: the same decay sums (exact fp32 sums of the
+decays' own values, as 1 or 3 16-bit tensor-core products), the same dot operands
+(the state as a dot operand in q's dtype, as chunk's h in bf16; fp32 "ieee").
+
+Backward: the chunk family's launch list (chunk.backward_launches, 64-token chunks),
+which recomputes the states and A from the inputs. Nothing is kept from the forward
+(autograd holds the inputs; the chunk family keeps its A as well, 67 MB
+at (8,4096,16,128,128) bf16). The backward's buffers there (`bridge.aot --report`'s
+workspace): 1.015 GB, the chunk family's 0.948 GB plus the A it recomputes, so the peak
+equals the chunk family's; its largest are the recomputed states h and dh, 512 slots x
+16 x 128 x 128 in bf16, 268 MB each. An on-chip reverse walk (dh in registers) is not
+written.
+
+Config: chunks of BT = 32 tokens: [BT, K] operand tiles of 64 rows beside an fp32
+state [128, 64] spilled on sm_90 at 8 warps (the chunk family's h / A stay in HBM
+instead, so it takes 64); all of K in one block (K <= 256); V blocks of BV
+(`config`); warps and pipelining stages from `warps` / `STAGES`.
+"""
+
+import triton
+import triton.language as tl
+
+from ..launch import Launch, Out
+from . import chunk
+from .common import (block_pos, check_k, decay_k_in, exact_dtype, exp_, flags, gate_inputs,
+                     head_gamma, key_gated, level_mask, load_qk_tile, load_tile, next_pow2,
+                     op_dtype, seg_matrix, seg_sums, seq_bounds, tile_ptrs, varlen_input)
+
+BT = 32
+# Software pipelining of the chunk loop: Triton's pipeliner does not take a loop whose
+# body holds loops (the levels'), so 1; unrolling those loops instead spilled.
+STAGES = 1
+
+
+@triton.jit
+def _key_gate(c, DT: tl.constexpr, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k,
+              H: tl.constexpr, K: tl.constexpr, G_MODE: tl.constexpr, USE_GK: tl.constexpr,
+              GAMMA_MODE: tl.constexpr):
+    """(exp(c @ a), exp(sum of a over the chunk)) for the key-side log decays a of the
+    chunk (common.decay_k_in, seg_sums): [BT, BK] and [BK, 1]; [BT, 1] and a scalar
+    when a is the same for every key (g [B,T,H] and g_gamma only), computed on 16
+    columns instead of K."""
+    if G_MODE == 2 or USE_GK:
+        a = decay_k_in(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K, G_MODE,
+                       USE_GK, GAMMA_MODE)
+        return exp_(seg_sums(c, a, DT)), exp_(tl.sum(a.to(tl.float32), 0))[:, None]
+    else:
+        o_u = tl.arange(0, 16)
+        a = decay_k_in(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_u, o_u < 16, H, K, G_MODE,
+                       USE_GK, GAMMA_MODE)
+        return (tl.max(exp_(seg_sums(c, a, DT)), 1)[:, None],
+                tl.max(exp_(tl.sum(a.to(tl.float32), 0)), 0))
+
+
+@triton.jit
+def _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, H: tl.constexpr,
+           HK: tl.constexpr, K: tl.constexpr, BKI: tl.constexpr, G_MODE: tl.constexpr,
+           USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr, LEVELS: tl.constexpr,
+           DOT_PREC: tl.constexpr):
+    """A [BT, BT] fp32 of one chunk: scale sum_k q_tk k_sk exp(sum_{s<r<=t} a_rk) for
+    s <= t, 0 above the diagonal. Key-gated pairs by levels (chunk_intra_kernel's
+    construction), K in blocks of BKI loaded per level and block (L1 hits), so that
+    one block's tiles are live at a time."""
+    BT: tl.constexpr = pos.shape[0]
+    o_t = tl.arange(0, BT)
+    op: tl.constexpr = op_dtype(q.dtype.element_ty)
+    KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
+    d = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BKI)):  # no decay: the diagonal (all of A ungated)
+        o_k = i_k * BKI + tl.arange(0, BKI)
+        mask_k = o_k < K
+        b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K).to(op)
+        b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K).to(op)
+        d = tl.dot(b_q, tl.trans(b_k), d, input_precision=DOT_PREC)
+    if KGATE:
+        acc = tl.where(o_t[:, None] == o_t[None, :], d, 0.)
+        DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE, USE_GK,
+                                     GAMMA_MODE)
+        for lvl in range(0, LEVELS):  # runtime: one level's tiles live at a time
+            h = (BT // 2) >> lvl
+            upper = (o_t & h) != 0
+            c = seg_matrix(o_t, h, DT)
+            d = tl.zeros([BT, BT], dtype=tl.float32)
+            for i_k in range(0, tl.cdiv(K, BKI)):
+                o_k = i_k * BKI + tl.arange(0, BKI)
+                mask_k = o_k < K
+                b_x = load_qk_tile(q, k, row0, pos, i_h, i_hk, o_k, mask_t, upper, mask_k, H,
+                                   HK, K)
+                f, _ = _key_gate(c, DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K,
+                                 G_MODE, USE_GK, GAMMA_MODE)
+                p = (b_x.to(tl.float32) * f).to(op)
+                d = tl.dot(p, tl.trans(p), d, input_precision=DOT_PREC)
+            acc = tl.where(level_mask(o_t, h), d, acc)
+    else:
+        acc = tl.where(o_t[:, None] >= o_t[None, :], d, 0.)
+    return acc * scale
+
+
+@triton.jit
+def fused_chunk_fwd_kernel(
+    q, k, v, g, gk, gv, g_gamma, h0, cu_seqlens,
+    scale, T,
+    o, ht,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BKI: tl.constexpr, BV: tl.constexpr,
+    G_MODE: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr, GAMMA_MODE: tl.constexpr,
+    USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr,
+    LEVELS: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr,
+):
+    """One (sequence x head, V block): o [B,T,H,V] (q's dtype) chunk by chunk and
+    ht [N,H,K,V] fp32, the state after the sequence (h0 [N,H,K,V] before it).
+    k, v have HK heads; the gates H."""
+    scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
+    NV: tl.constexpr = (V + BV - 1) // BV
+    pid = tl.program_id(0)
+    i_nh, i_v = pid // NV, pid % NV
+    i_n, i_h = i_nh // H, i_nh % H
+    i_hk = i_h // (H // HK)
+    KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
+    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    gamma = head_gamma(g_gamma, i_n, i_h, H, GAMMA_MODE)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mask_k, mask_v = o_k < K, o_v < V
+    mask_h = mask_k[:, None] & mask_v[None, :]
+    # a scalar int64 base and int32 offsets: a [K, BV] tile of 64-bit addresses would
+    # stay live through the loop for the final store
+    base = i_nh.to(tl.int64) * K * V
+    p_kv = o_k[:, None] * V + o_v[None, :]
+    op: tl.constexpr = op_dtype(q.dtype.element_ty)
+
+    b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_s += tl.load(h0 + base + p_kv, mask=mask_h, other=0.).to(tl.float32)
+    for c in tl.range(0, tl.cdiv(eos - bos, BT), num_stages=STAGES):
+        row0, pos, mask_t = block_pos(bos, eos, c * BT, BT, REVERSE)
+        b_a = _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, H, HK, K, BKI,
+                     G_MODE, USE_GK, GAMMA_MODE, LEVELS, DOT_PREC)
+        b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K).to(tl.float32) * scale
+        if KGATE:  # gated from the chunk's start
+            DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE, USE_GK,
+                                           GAMMA_MODE)
+            f, _ = _key_gate(seg_matrix(o_t, 2 * BT, DT), DT, g, gk, gamma, row0, pos, mask_t,
+                             i_h, o_k, mask_k, H, K, G_MODE, USE_GK, GAMMA_MODE)
+            b_q *= f
+        acc = tl.dot(b_q.to(op), b_s.to(op), input_precision=DOT_PREC)
+        b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V)
+        if USE_GV:
+            DV: tl.constexpr = exact_dtype(gv.dtype.element_ty, gv.dtype.element_ty, 0, True, 0)
+            b = decay_k_in(DV, gv, gv, 0., row0, pos, mask_t, i_h, o_v, mask_v, H, V, 0, True, 0)
+            acc *= exp_(seg_sums(seg_matrix(o_t, 2 * BT, DV), b, DV))
+            b_vf = b_v.to(tl.float32)
+            acc = tl.dot(tl.where(o_t[:, None] == o_t[None, :], b_a, 0.).to(op), b_v.to(op),
+                         acc, input_precision=DOT_PREC)
+            for lvl in range(0, LEVELS):  # chunk_output_kernel's value levels
+                hl = (BT // 2) >> lvl
+                x = exp_(seg_sums(seg_matrix(o_t, hl, DV), b, DV))
+                b_al = tl.where(level_mask(o_t, hl), b_a, 0.).to(op)
+                acc += x * tl.dot(b_al, (b_vf * x).to(op), input_precision=DOT_PREC)
+            b_vg = b_vf * exp_(seg_sums(seg_matrix(o_t, BT, DV), b, DV))
+            b_s *= exp_(tl.sum(b.to(tl.float32), 0))[None, :]
+        else:
+            acc = tl.dot(b_a.to(op), b_v.to(op), acc, input_precision=DOT_PREC)
+            b_vg = b_v
+        tl.store(tile_ptrs(o, row0, pos, i_h, o_v, H, V), acc.to(o.dtype.element_ty),
+                 mask=mask_t[:, None] & mask_v[None, :])
+        # k loaded (and its decays again, L1 hits) only now: q's tiles are dead by here
+        b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K).to(tl.float32)
+        if KGATE:  # gated to the chunk's end
+            f, decay = _key_gate(seg_matrix(o_t, BT, DT), DT, g, gk, gamma, row0, pos, mask_t,
+                                 i_h, o_k, mask_k, H, K, G_MODE, USE_GK, GAMMA_MODE)
+            b_k *= f
+            b_s *= decay
+        b_s = tl.dot(tl.trans(b_k.to(op)), b_vg.to(op), b_s, input_precision=DOT_PREC)
+    tl.store(ht + base + p_kv, b_s, mask=mask_h)
+
+
+# ---------------------------------------------------------------- launch plans
+
+def config(plan) -> dict:
+    """Tiles: all of K in one block (the state is one register tile), V blocks of BV:
+    64 columns (an fp32 state [128, 64] is 32 registers a thread at 8 warps) where that
+    builds without spills on sm_80 and sm_90 (`python -m bridge.aot --family
+    fused_chunk`), else 32: with gv (its level products beside the state), with key
+    decays the same for every key (g [B,T,H] or g_gamma alone: their broadcasts),
+    for fp32 (FMA products) and at K > 128. The intra-chunk products take K in blocks
+    of BKI (chunk.intra_bk)."""
+    check_k(plan, "fused_chunk")
+    BK = max(16, next_pow2(plan.K))
+    per_key = plan.g == "key" or plan.gk or not key_gated(plan)
+    wide = plan.dtype in ("bfloat16", "float16") and BK <= 128 and not plan.gv and per_key
+    BV = min(64 if wide else 32, max(16, next_pow2(plan.V)))
+    return dict(BK=BK, BKI=min(BK, chunk.intra_bk(plan)), BV=BV, NV=-(-plan.V // BV))
+
+
+def warps(plan) -> int:
+    """8 warps: the state, the [BT, K] operand tiles and A side by side."""
+    return 8
+
+
+def forward_launches(plan) -> list:
+    """Reads q, k, v, [g, gk, gv, g_gamma, initial_state, cu_seqlens]; writes o
+    [B,T,H,V] (q's dtype) and final_state [N,H,K,V] fp32, nothing else."""
+    c = config(plan)
+    B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
+    levels = BT.bit_length() - 1
+    chunks = T // BT + N if plan.varlen else B * -(-T // BT)
+    # per chunk and V block: A (levels + diagonal, [BT,K]x[K,BT] each), A v (gv: per
+    # level too), q S and k^T v ([BT,K]x[K,BV])
+    a_products = levels + 1 if key_gated(plan) else 1
+    av_products = levels + 1 if plan.gv else 1
+    flops = 2 * BT * chunks * H * c["NV"] * (BT * K * a_products + BT * c["BV"] * av_products
+                                             + 2 * K * c["BV"])
+    return [Launch(
+        fused_chunk_fwd_kernel, grid=(c["NV"] * N * H,),
+        inputs=dict(q="q", k="k", v="v", **gate_inputs(plan),
+                    h0="initial_state" if plan.initial_state else None, **varlen_input(plan)),
+        scalars=dict(scale=plan.scale, T=T),
+        outputs=dict(o=Out("o", (B, T, H, V), "like:q"), ht=Out("final_state", (N, H, K, V))),
+        constexprs=dict(flags(plan), BT=BT, BK=c["BK"], BKI=c["BKI"], BV=c["BV"],
+                        USE_H0=plan.initial_state, LEVELS=levels, DOT_PREC=chunk.dot_precision(),
+                        STAGES=STAGES),
+        num_warps=warps(plan), num_stages=STAGES, dot_flops=int(flops),
+        bytes=int(sum(plan.nbytes(n) for n in plan.inputs()) + plan.nbytes("o")
+                  + plan.nbytes("final_state")))]
+
+
+def kept(plan) -> tuple:
+    """Nothing: the backward recomputes from the inputs (module docstring)."""
+    return ()
+
+
+def backward_launches(plan, use_dht: bool, kept: tuple = ()) -> list:
+    """The chunk family's backward (module docstring); `kept` is `kept(plan)`: empty."""
+    if kept:
+        raise ValueError(f"kept: the fused_chunk backward reuses no forward buffer, got {kept}")
+    return chunk.backward_launches(plan, use_dht, kept=())

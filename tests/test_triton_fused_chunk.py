@@ -1,0 +1,195 @@
+"""mode="fused_chunk" (one launch, the state on chip through the chunk loop) against the
+float64 oracle: o and the final state on every gate kind, reverse, initial state,
+varlen (empty and one-token sequences), GQA, the three dtypes, strong gates and
+sequences of several 64-token chunks; its backward (the chunk family's launch list)
+against the oracle's gradients through the family's own plan. Run through
+bridge.torch_runner directly, in Triton's interpreter on this CPU machine.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+import bridge.kernels  # noqa: E402,F401  (decides the interpreter before triton is imported)
+from bridge import contract, grads, torch_runner  # noqa: E402
+from bridge.contract import PER_TOKEN  # noqa: E402
+from bridge.kernels import family, fused_chunk  # noqa: E402
+from parity import backends, cases  # noqa: E402
+from parity.compare import assert_close, errors, rel_err, tolerance  # noqa: E402
+# the chunk family's cases: every gate kind, reverse, varlen with empty and one-token
+# sequences, GQA, odd K and V (FEATURES); sequences across several chunks (MULTI_CHUNK)
+from test_triton_chunk import FEATURES, MULTI_CHUNK  # noqa: E402
+
+ORACLE = backends.Oracle()
+FORWARD = ("o", "final_state")
+
+
+def run_family(case, arrays, dtype, backward=False):
+    """{o, final_state[, d<input>]} of fused_chunk's launch lists, float32 NumPy in each
+    quantity's shape."""
+    t = cases.to_torch(arrays, getattr(torch, dtype))
+    plan = contract.check(**cases.call_kwargs(case, t))
+    env = {n: (x.reshape((1,) + tuple(x.shape)) if plan.packed and n in PER_TOKEN else x)
+           for n, x in t.items()}
+    if plan.varlen:
+        env["cu_seqlens"] = env["cu_seqlens"].to(torch.int32)
+    mod = family("fused_chunk")
+    launches = mod.forward_launches(plan)
+    assert len(launches) == 1 and {o.name for o in launches[0].writes()} == set(FORWARD)
+    torch_runner.run(launches, env)
+    assert env["o"].dtype == t["q"].dtype and env["final_state"].dtype == torch.float32
+    out = {"o": env["o"], "final_state": env["final_state"]}
+    if backward:
+        torch_runner.run(mod.backward_launches(plan, True, mod.kept(plan)), env)
+        out.update({"d" + n: gr for n, gr in grads.assemble(plan, env).items()})
+    return {n: x.float().numpy().reshape(arrays["do" if n == "o" else n[1:]].shape
+                                         if n != "final_state" else x.shape)
+            for n, x in out.items()}
+
+
+def run_case(case, dtype="float32", seed=0, backward=False):
+    """{quantity: relative error} against the oracle on the same rounded inputs."""
+    arrays = backends.prepared(case, dtype, seed)
+    got = run_family(case, arrays, dtype, backward)
+    want = ORACLE.run(case, arrays, dtype)
+    if not backward:
+        want = {n: want[n] for n in FORWARD}
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    return errors(got, want, case.gate_grad_floor)
+
+
+C = cases.Case
+
+
+@pytest.mark.parametrize("case", FEATURES, ids=lambda c: c.name)
+def test_features_fp32(case):
+    assert_close(run_case(case), "float32")
+
+
+# MULTI_CHUNK: several chunks (the state carried on chip across them), small K and V
+@pytest.mark.parametrize("case", MULTI_CHUNK, ids=lambda c: c.name)
+def test_forward_several_chunks_fp32(case):
+    assert_close(run_case(case), "float32")
+
+
+def test_long_sequence_many_chunks():
+    """520 tokens: 9 chunks, the last one 8 tokens long, the state carried through all."""
+    case = C("long", T=520, H=1, Hk=1, K=8, V=8, g="key", gv=True, initial_state=True)
+    assert_close(run_case(case), "float32")
+
+
+@pytest.mark.parametrize("T", [36, 150])
+def test_strong_gates_scan_precision(T):
+    """Log gates of -0.2..-10 a step: the exponents are sums of consecutive log gates
+    (<= 0), so o stays at fp32 scan level, as the chunk family's (same bound)."""
+    case = C("strong", T=T, H=1, Hk=1, K=16, V=16, g="key", gv=True, initial_state=True,
+             gate_scale=10.0)
+    errs = run_case(case)
+    assert all(np.isfinite(v) for v in errs.values()), errs
+    assert errs["o"] < 2e-6 and errs["final_state"] < 2e-6, errs
+
+
+def test_very_strong_gates_stay_finite():
+    case = C("very-strong", T=70, H=1, Hk=1, g="key", gk=True, gv=True, g_gamma="head",
+             initial_state=True, gate_scale=1e4)
+    errs = run_case(case)
+    assert all(np.isfinite(v) for v in errs.values()), errs
+    assert_close(errs, "float32")
+
+
+@pytest.mark.parametrize("T", [20, 150])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision(dtype, T):
+    """16-bit operands to tl.dot, fp32 accumulation: within the dtype's tolerance of the
+    oracle on the same rounded inputs."""
+    case = C("low", T=T, H=2, Hk=1, K=16, V=24, g="key", gv=True, initial_state=True)
+    assert_close(run_case(case, dtype), dtype)
+
+
+def test_two_value_blocks_and_wide_k():
+    """K = 100 (one padded 128 block), V = 80 in fp32: three V blocks of 32."""
+    case = C("blocks", T=72, H=1, Hk=1, K=100, V=80, g="head", gv=True, initial_state=True)
+    plan = contract.check(np.zeros((1, 1, 1, 100), np.float32),
+                          np.zeros((1, 1, 1, 100), np.float32),
+                          np.zeros((1, 1, 1, 80), np.float32))
+    assert fused_chunk.config(plan) == dict(BK=128, BKI=16, BV=32, NV=3)
+    assert_close(run_case(case), "float32")
+
+
+def test_one_token_sequences_and_empty():
+    """Sequences of 1 and 0 tokens: an empty one's final state is its initial state."""
+    case = C("ones", H=2, Hk=1, K=4, V=4, seqlens=(1, 0, 1, 0), g="head", gv=True,
+             g_gamma="head", initial_state=True, packed=True)
+    arrays = backends.prepared(case, "float32", 0)
+    got = run_family(case, arrays, "float32")
+    want = ORACLE.run(case, arrays, "float32")
+    assert_close(errors(got, {n: want[n] for n in FORWARD}), "float32")
+    np.testing.assert_array_equal(got["final_state"][[1, 3]], arrays["initial_state"][[1, 3]])
+
+
+@pytest.mark.parametrize("case", [
+    C("bwd-everything", H=2, Hk=1, K=5, V=7, g="key", gk=True, gv=True, g_gamma="seq",
+      initial_state=True, reverse=True, seqlens=(70, 1, 0, 18), packed=True),
+    C("bwd-head-gqa", T=80, H=4, Hk=2, K=8, V=8, g="head", initial_state=True),
+], ids=lambda c: c.name)
+def test_backward_gradients(case):
+    """Every gradient through the family's backward plan, against the oracle's."""
+    assert_close(run_case(case, backward=True), "float32")
+
+
+def test_k_too_large_raises():
+    qk = np.zeros((1, 2, 1, 300), np.float32)
+    plan = contract.check(qk, qk, np.zeros((1, 2, 1, 8), np.float32))
+    with pytest.raises(ValueError, match="^q: mode='fused_chunk' supports K <= 256"):
+        fused_chunk.forward_launches(plan)
+
+
+def test_same_as_chunk_family_bf16():
+    """Same math as mode="chunk" (independent of the oracle): in bf16 the two land within
+    bf16's tolerance of each other (their 16-bit operands are rounded at different
+    chunk boundaries, 32 and 64 tokens)."""
+    case = C("vs-chunk", T=100, H=2, Hk=2, K=16, V=16, g="key", initial_state=True)
+    arrays = backends.prepared(case, "bfloat16", 1)
+    got = run_family(case, arrays, "bfloat16")
+    t = cases.to_torch(arrays, torch.bfloat16)
+    plan = contract.check(**cases.call_kwargs(case, t))
+    env = dict(t)
+    torch_runner.run(family("chunk").forward_launches(plan), env)
+    assert rel_err(got["o"], env["o"].float().numpy()) < tolerance("bfloat16")
+    assert rel_err(got["final_state"], env["final_state"].numpy()) < tolerance("bfloat16")
+
+
+PUBLIC = C("public", H=2, Hk=1, K=8, V=8, seqlens=(70, 0, 5), g="key", gv=True,
+           g_gamma="seq", initial_state=True, packed=True)
+
+
+@pytest.mark.parametrize("backend", ["torch-triton-fused-chunk", "jax-triton-fused-chunk"])
+def test_public_call_by_name(backend):
+    """mode="fused_chunk" through the public torch_side / jax_side functions (their
+    parity backends): o, final state and every gradient against the oracle."""
+    b = {x.name: x for x in backends.all_backends()}[backend]
+    if b.unavailable():
+        pytest.skip(b.unavailable())
+    arrays = backends.prepared(PUBLIC, "float32", 0)
+    assert_close(errors(b.run(PUBLIC, arrays, "float32"),
+                        ORACLE.run(PUBLIC, arrays, "float32")), "float32")
+
+
+def test_dispatch_by_name_only():
+    """By name on any platform that runs Triton ("auto" resolves to it, as for the fused
+    recurrent kernel); never chosen by mode="auto"; the frameworks' chunked paths refuse
+    it with a ValueError naming mode."""
+    from bridge import dispatch
+
+    assert "fused_chunk" in dispatch.MODES
+    plan = contract.check(np.zeros((1, 4096, 1, 8), np.float32),
+                          np.zeros((1, 4096, 1, 8), np.float32),
+                          np.zeros((1, 4096, 1, 8), np.float32))
+    assert dispatch.kernel_mode("fused_chunk", plan) == "fused_chunk"
+    assert dispatch.kernel_mode("auto", plan) == "chunk"
+    assert dispatch.route("auto", "fused_chunk", ("auto", "triton", "torch"), "torch",
+                          gpu=False) == "triton"
+    with pytest.raises(ValueError, match="^mode: 'fused_chunk' is a Triton kernel"):
+        dispatch.route("torch", "fused_chunk", ("auto", "triton", "torch"), "torch", gpu=False)
