@@ -295,17 +295,22 @@ print(json.dumps(out))
 '''
 
 
+def _compiled_json(tmp_path, source, timeout):
+    """Run `source` (a script printing JSON last) with TRITON_INTERPRET=0; its JSON."""
+    (tmp_path / "script.py").write_text(textwrap.dedent(source))
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(tmp_path / "script.py")], env=env,
+                         capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(res.stdout.splitlines()[-1])
+
+
 def test_count_mma_on_a_compiled_dot(tmp_path):
     """count_mma on real PTX: a 64x64x64 bf16/fp16 tl.dot is mma.sync on sm_80
     and wgmma on sm_90 (4 warps, M = 64), of the operands' type; an fp32 "ieee"
     product has no tensor-core instruction."""
-    (tmp_path / "toy_dot.py").write_text(textwrap.dedent(_TOY))
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"),
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, str(tmp_path / "toy_dot.py")], env=env,
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-4000:]
-    got = json.loads(res.stdout.splitlines()[-1])
+    got = _compiled_json(tmp_path, _TOY, timeout=300)
     for dtype, t in (("bfloat16", "bf16"), ("float16", "f16")):
         assert got[f"{dtype}-False-80"]["mma"] > 0 and got[f"{dtype}-False-80"]["wgmma"] == 0
         assert got[f"{dtype}-False-90"]["wgmma"] > 0
@@ -317,11 +322,11 @@ def test_count_mma_on_a_compiled_dot(tmp_path):
 _INDUCTOR_FLOATS = '''
 import json
 from bridge import aot
-from bridge.kernels import chunk, fused_recurrent
+from bridge.kernels import chunk, fused_chunk, fused_recurrent
 
 plan = dict(aot._variants())["all-bfloat16"]
 out = {}
-for stage, launches, dtypes in aot._stages([fused_recurrent, chunk], plan):
+for stage, launches, dtypes in aot._stages([fused_recurrent, chunk, fused_chunk], plan):
     for launch in launches:
         ptx = aot._compile(launch, dtypes, 90, floats="fp64").asm["ptx"]
         out[f"{stage} {launch.kernel.__name__}"] = [
@@ -334,19 +339,14 @@ print(json.dumps(out))
 def test_every_launch_compiles_with_floats_typed_fp64_as_inductor_types_them(tmp_path):
     """Under torch.compile on CUDA, Inductor types a Triton kernel's Python float
     arguments fp64 (torch._inductor.codegen.triton_utils.signature_of), where Triton's
-    own launcher types them fp32. Every launch of both families (every gate, both
+    own launcher types them fp32. Every launch of every family (every gate, both
     backward lists) builds so, and does no fp64 arithmetic: the float is pinned to fp32
     on entry (an fp64 `scale` once made the fused backward's loop-carried b_dh fp64,
     which does not compile)."""
-    (tmp_path / "floats.py").write_text(textwrap.dedent(_INDUCTOR_FLOATS))
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"),
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, str(tmp_path / "floats.py")], env=env,
-                         capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-4000:]
-    got = json.loads(res.stdout.splitlines()[-1])
+    got = _compiled_json(tmp_path, _INDUCTOR_FLOATS, timeout=900)
     assert {k.split()[1] for k in got} >= {"fused_recurrent_bwd_dkv_kernel",
-                                           "chunk_output_kernel", "chunk_dqk_kernel"}
+                                           "chunk_output_kernel", "chunk_dqk_kernel",
+                                           "fused_chunk_fwd_kernel"}
     assert all(not f64 for f64 in got.values()), {k: v[:3] for k, v in got.items() if v}
 
 
