@@ -188,7 +188,7 @@ def section(quick=False, log=print) -> str:
     without touching BENCHMARKS.md; a one-line reason when there is no GPU."""
     why = unavailable()
     if why:
-        return f"not measured: no GPU lent ({why})."
+        return f"not measured: no GPU on this machine ({why})."
     import tempfile
 
     from parity.gpu import __main__ as kit, render
