@@ -11,6 +11,7 @@ device table; a step made to fail, or to hang past its cap, is recorded and the 
 step still runs; BENCHMARKS.md's GPU section is rendered from the JSON alone, the rest
 of the file untouched. Three kit runs, ~30-70 s each here."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -170,6 +171,25 @@ def test_rank_correlation_and_stages():
     assert {k: kernels.stage(*k) for k in names} == names
 
 
+class _FakeProfile:
+    """What kernels._trace_kernels reads of a torch.profiler session: its Chrome trace,
+    here written as torch 2.x writes CUDA kernel events (cat "kernel", args.grid)."""
+
+    def export_chrome_trace(self, path):
+        events = [{"ph": "X", "cat": "kernel", "name": "chunk_state_kernel", "dur": 12.5,
+                   "args": {"grid": [256, 1, 1], "block": [128, 1, 1]}},
+                  {"ph": "X", "cat": "cpu_op", "name": "aten::empty", "dur": 3.0},
+                  {"ph": "X", "cat": "kernel", "name": "void at::native::fill", "dur": 1.0,
+                   "args": {}}]
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events}, f)
+
+
+def test_profiler_trace_gives_kernel_name_grid_and_time():
+    assert kernels._trace_kernels(_FakeProfile()) == [
+        ("chunk_state_kernel", [256, 1, 1], 12.5), ("void at::native::fill", None, 1.0)]
+
+
 def test_sweep_writes_a_device_table(clean):
     _, result, _, path = clean
     sw = result["sweep"]
@@ -302,3 +322,36 @@ def test_fla_autotuner_controls():
     assert "benchmarked [32, 128]" in out.stdout, out.stdout + out.stderr[-2000:]
     assert "tuned key runs" in out.stdout
     assert "refused: fla's autotuner for k was not warmed" in out.stdout
+
+
+FLA_WINNERS = """
+import json
+import bridge.kernels  # Triton's interpreter, before triton loads
+from parity.gpu import fla
+from parity.gpu.plan import FULL
+fns, why = fla.ops(FULL)
+found = fla.autotuners(fla.FLA_MODULES)
+at = found[("fla.ops.gla.chunk", "chunk_gla_fwd_kernel_o")]
+config = at.configs[-1]
+record = {"module": "fla.ops.gla.chunk", "kernel": "chunk_gla_fwd_kernel_o",
+          "key": [128, 128, 64, "torch.bfloat16"], "config": fla._config_dict(config)}
+loaded = fla.load_winners([record, dict(record, kernel="no_such_kernel")], fla.FLA_MODULES)
+back = [w for w in fla.winners(fla.FLA_MODULES) if w["kernel"] == "chunk_gla_fwd_kernel_o"]
+print(json.dumps({"n": len(found), "loaded": loaded, "back": back, "record": record,
+                  "h": ("fla.ops.common.chunk_h", "chunk_fwd_kernel_h") in found,
+                  "same": at.cache[(128, 128, 64, "torch.bfloat16")].all_kwargs()
+                  == config.all_kwargs()}))
+"""
+
+
+def test_fla_winners_round_trip_through_fla_core_s_own_autotuners():
+    """fla's autotuners are found by module (fla-core 0.6.0 imports on the CPU); a
+    winner written as JSON loads back into the autotuner it names and reads back the same."""
+    if importlib.util.find_spec("fla") is None:
+        pytest.skip("fla-core (the bench and test extras) not installed")
+    out = subprocess.run([sys.executable, "-c", FLA_WINNERS], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["n"] > 50 and got["h"] and got["loaded"] == 1 and got["same"]
+    assert got["back"] == [got["record"]]

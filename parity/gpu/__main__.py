@@ -149,13 +149,22 @@ def _worst(parts):
 
 def step_tune(kit, deadline):
     """The compiles started beside the correctness step finish (or are cut off, leaving
-    the tuning its reserve), then fla's autotuning runs alone on the GPU (ahead.py)."""
+    the tuning its reserve), then fla's autotuning runs alone on the GPU (ahead.py);
+    given --fla-configs, the compiles have the whole cap and nothing is tuned."""
     p = kit.plan
-    reserve = 0 if kit.fla_configs else p.tune_reserve_s
+    reserve = 1 if kit.fla_configs else p.tune_reserve_s
     ahead = {tag: c.wait(until=deadline - reserve) for tag, c in kit.background.items()}
     kit.background = {}
-    out = kit.child("tune", "parity.gpu.ahead:fla_tune", _left(deadline), "fla-tune",
-                    out_path=kit.fla_out, configs=kit.fla_configs).wait()
+    if kit.fla_configs and p.fla != "absent":
+        from . import fla
+
+        records = fla.read_winners(kit.fla_configs)
+        fla.write_records(kit.fla_out, records, f"loaded from {kit.fla_configs}")
+        out = {"status": "ok", "wall_s": 0.0, "rows": [], "error": None,
+               "result": {"source": kit.fla_configs, "winners": len(records), "tuned": False}}
+    else:
+        out = kit.child("tune", "parity.gpu.ahead:fla_tune", _left(deadline), "fla-tune",
+                        out_path=kit.fla_out).wait()
     compile_s = max((o["wall_s"] for n, o in ahead.items() if n.startswith("ahead-fla")),
                     default=0.0)
     result = dict(out["result"] or {}, compile_ahead={

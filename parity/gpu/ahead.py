@@ -13,8 +13,9 @@ runs (CPU-bound compiles beside the tests), background children therefore run:
 Then the tune step, alone on the GPU, runs `fla_tune`: fla's calls with its real
 autotuner, which finds its configs compiled and benchmarks them; the winners go to
 OUT/fla-configs.json (`fla.write_winners`), which every timed child loads before it
-refuses to tune (`fla.prepare`). Given winners, the tune step tunes nothing and copies
-them there. fla's cold tuning time is the compile workers' wall time plus this one's.
+refuses to tune (`fla.prepare`). Given winners (--fla-configs), the kit copies them
+there and nothing is tuned. fla's cold tuning time is the compile workers' wall time
+plus this one's.
 """
 
 import os
@@ -82,16 +83,11 @@ def fla_compile(emit, deadline, *, plan, worker, workers, configs=None):
     return {"calls": run_calls(emit, deadline, plan, fla_calls(plan))}
 
 
-def fla_tune(emit, deadline, *, plan, out_path, configs=None):
-    """Child: fla's real autotuning alone on the GPU, its winners written to `out_path`;
-    or, given `configs` (an earlier run's winners), no tuning: they are copied there."""
+def fla_tune(emit, deadline, *, plan, out_path):
+    """Child: fla's real autotuning alone on the GPU, its winners written to `out_path`."""
     fns, why = fla.ops(plan)
     if fns is None:
         return {"skipped": why}
-    if configs:
-        records = fla.read_winners(configs)
-        fla.write_records(out_path, records, f"loaded from {configs}")
-        return {"source": configs, "winners": len(records), "tuned": False}
     t0 = time.monotonic()
     calls = run_calls(emit, deadline, plan, fla_calls(plan, tuning=True))
     n = fla.write_winners(out_path, plan, "tuned by this run's tune step")

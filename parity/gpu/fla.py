@@ -82,13 +82,19 @@ def _config_dict(c) -> dict:
             "num_ctas": getattr(c, "num_ctas", 1), "maxnreg": getattr(c, "maxnreg", None)}
 
 
+def _plain(x):
+    """A key element as JSON keeps it (str of anything else: such a key then never
+    matches when loaded, and that kernel shows as not warmed)."""
+    return x if x is None or isinstance(x, (bool, int, float, str)) else str(x)
+
+
 def winners(prefixes) -> list:
     """Every tuned choice of the autotuners of `prefixes` in this process:
     [{module, kernel, key, config}] (JSON)."""
     out = []
     for (module, kernel), at in sorted(autotuners(prefixes).items()):
         for key, config in at.cache.items():
-            out.append({"module": module, "kernel": kernel, "key": list(key),
+            out.append({"module": module, "kernel": kernel, "key": [_plain(x) for x in key],
                         "config": _config_dict(config)})
     return out
 
