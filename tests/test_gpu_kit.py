@@ -146,10 +146,24 @@ def test_kernels_section_pairs_device_times_with_the_model(clean):
                                          "fused_recurrent_bwd_combine_kernel"]
     assert all(r["us"] > 0 and r["model_dynamic"] > 0 and r["model_regs"] for r in fam)
     status = {r["impl"]: r["status"] for r in k["rows"] if r["kind"] == "profile"}
-    assert status == {"ours fused_recurrent (torch)": "ok", "stand-in for fla chunk_gla": "absent"}
-    rho = k["result"]["rank_correlation"]["ours fused_recurrent (torch)"]
-    assert rho == kernels.spearman([r["model_dynamic"] for r in fam], [r["us"] for r in fam])
+    assert status == {"ours chunk (torch)": "ok", "ours fused_recurrent (torch)": "ok",
+                      "stand-in for fla chunk_gla": "absent"}
+    for impl in ("ours chunk (torch)", "ours fused_recurrent (torch)"):
+        mine = [r for r in rows if r["impl"] == impl]
+        rho = k["result"]["rank_correlation"][impl]
+        assert all(r.get("model_dynamic") for r in mine), impl
+        assert rho == kernels.spearman([r["model_dynamic"] for r in mine],
+                                       [r["us"] for r in mine])
+    # chunk: the stages of the model's report, the forward's state pass among them
+    chunk = [r for r in rows if r["impl"] == "ours chunk (torch)"]
+    assert {(r["phase"], r["stage"]) for r in chunk} >= {
+        ("fwd", "state"), ("fwd", "intra"), ("fwd", "output"), ("bwd", "dA"), ("bwd", "dv"),
+        ("bwd", "dq/dk")}
+    stages = k["result"]["stages"]["ours chunk (torch)"]
+    assert stages["fwd/state"] == pytest.approx(sum(
+        r["us"] for r in chunk if (r["phase"], r["stage"]) == ("fwd", "state")))
     assert "### Per-kernel device times" in md and "Spearman" in md
+    assert "Stage by stage, device us: ours chunk (torch)" in md
 
 
 def test_rank_correlation_and_stages():

@@ -20,6 +20,7 @@ import numpy as np
 from parity.bench import gpu
 
 from . import fla as fla_mod
+from .plan import FAMILIES
 from .rows import failure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,9 +43,9 @@ def stage(phase, name) -> str:
 
 
 def names(plan) -> list:
-    """[(implementation, family)] this step profiles."""
+    """[(implementation, family)] this step profiles: ours in every Triton family."""
     fla = ("stand-in for " if plan.dry else "") + FLA
-    return [(f"ours {f} (torch)", f) for f in plan.launch_families] + [(fla, "chunk")]
+    return [(f"ours {f} (torch)", f) for f in FAMILIES] + [(fla, "chunk")]
 
 
 def expected(plan) -> list:

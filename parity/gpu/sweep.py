@@ -17,7 +17,7 @@ from bridge import aot, tuning
 from .rows import failure
 
 MARGIN = 0.03  # a winner must beat the defaults by 3%: less is within the timing noise
-_ENVS = {}     # (gates, mode) -> the call's inputs, per process
+_ENVS = {}     # (gates, mode) -> the call's inputs: the last call's, per process
 
 
 def call_plan(plan, gates):
@@ -80,6 +80,7 @@ def by_site(plan):
 
 def _env(plan, gates, mode, p):
     if (gates, mode) not in _ENVS:
+        _ENVS.clear()  # one call's inputs at a time (~1 GB at the reference shape)
         _ENVS[(gates, mode)] = inputs(p, plan.device)
     return dict(_ENVS[(gates, mode)])
 
