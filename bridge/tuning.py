@@ -187,7 +187,7 @@ def candidates(plan, mode, quick=False) -> list:
     for the knobs the site has (`quick`: one knob changed at a time), tiles that fit."""
     from .kernels import family
 
-    table = family(mode).SITES
+    table = getattr(family(mode), "SITES", {})  # a family without sites: its defaults
     out = []
     for (fam, site), defaults in sites(plan, mode).items():
         grid = {k: [x for x in table.get(site, {}).get(k, ()) if _fits(plan, k, x)]

@@ -72,7 +72,7 @@ class Plan:
     ahead_workers: int = 4                 # parity/gpu/ahead.py: ours, fla's configs
     fla_workers: int = 6
     jax_families: tuple = FAMILIES
-    launch_families: tuple = FAMILIES     # per-launch times, the kernels step, the sweep
+    launch_families: tuple = FAMILIES     # the per-launch times and the sweep
     varlen_seqs: int = 64
     varlen_lengths: tuple = (16, 4096)
     varlen_heads: tuple = (16, 128, 128)   # H, K, V

@@ -121,7 +121,7 @@ def fla_calls(plan):
         return []
     out = []
     for size in sorted(sizes(plan), key=lambda s: s[1] != plan.fla_T):
-        for family in FAMILIES:
+        for family in FLA_NAMES:
             def thunk(size=size, family=family):
                 q, k, v, g, do = _leaves(size, plan.device, 0)
                 for mode in ("fwd", "fwdbwd"):
