@@ -164,6 +164,11 @@ def test_kernels_section_pairs_device_times_with_the_model(clean):
         r["us"] for r in chunk if (r["phase"], r["stage"]) == ("fwd", "state")))
     assert "### Per-kernel device times" in md and "Spearman" in md
     assert "Stage by stage, device us: ours chunk (torch)" in md
+    # each launch's warps and stages as launched, beside the model's where they differ
+    # (the dry run's fp32 tiny call against the report's bf16 reference call)
+    assert all(len(r["config"]) == 2 and len(r["model_config"]) == 2 for r in chunk + fam)
+    differ = [r for r in chunk + fam if r["config"] != r["model_config"]]
+    assert differ and "(model: " in md
 
 
 def test_rank_correlation_and_stages():

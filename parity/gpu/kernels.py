@@ -141,7 +141,27 @@ def model(mode, target, path=READINESS) -> dict:
         n = seen[(r["phase"], r["kernel"])] = seen.get((r["phase"], r["kernel"]), 0) + 1
         out[(r["phase"], r["kernel"], n)] = dict(
             model_dynamic=r.get("dynamic"), model_regs=r.get("n_regs"),
-            model_ctas_per_sm=r.get("ctas_per_sm"), model_bars=max_loop_bars(r))
+            model_ctas_per_sm=r.get("ctas_per_sm"), model_bars=max_loop_bars(r),
+            model_config=[r.get("num_warps"), r.get("num_stages")])
+    return out
+
+
+def launch_configs(plan, mode) -> dict:
+    """{(phase, kernel, occurrence): [num_warps, num_stages]} of our launches at the
+    profiled call, as this device runs them (its tuning table's entries included)."""
+    from bridge import aot
+    from bridge.kernels import family
+
+    fam = family(mode)
+    p = aot.report_plan((plan.B, plan.profile_T, plan.H, plan.K, plan.V),
+                        "fp32" if plan.dry else "bf16", "key")
+    out, seen = {}, {}
+    for phase, ls in (("fwd", fam.forward_launches(p)),
+                      ("bwd", fam.backward_launches(p, True, fam.kept(p)))):
+        for launch in ls:
+            name = launch.kernel.__name__
+            n = seen[(phase, name)] = seen.get((phase, name), 0) + 1
+            out[(phase, name, n)] = [launch.num_warps, launch.num_stages]
     return out
 
 
@@ -164,14 +184,16 @@ def spearman(xs, ys):
     return float(np.corrcoef(rx, ry)[0, 1])
 
 
-def annotate(rows, mode, target) -> list:
+def annotate(rows, mode, target, ran=None) -> list:
     """Our kernel rows with their stage and the model's prediction (matched by phase,
-    kernel and occurrence)."""
+    kernel and occurrence); with `ran` (`launch_configs`), each row's [num_warps, num_stages]
+    as "config", which the model's "model_config" may not be (a tuned launch)."""
     pred, seen, out = model(mode, target), {}, []
     for r in rows:
-        n = seen[(r["phase"], r["kernel"])] = seen.get((r["phase"], r["kernel"]), 0) + 1
-        out.append(dict(r, stage=stage(r["phase"], r["kernel"]),
-                        **pred.get((r["phase"], r["kernel"], n), {})))
+        key = (r["phase"], r["kernel"])
+        n = seen[key] = seen.get(key, 0) + 1
+        out.append(dict(r, stage=stage(*key), **pred.get((*key, n), {}),
+                        **({"config": ran[(*key, n)]} if ran and (*key, n) in ran else {})))
     return out
 
 
@@ -215,11 +237,11 @@ def run(emit, deadline, *, plan, configs=None):
         try:
             got = (host_timed(family, plan) if plan.dry else
                    profile(_op(None if ours else fns, family, plan), plan))
+            got = annotate(got, family, target, launch_configs(plan, family)) if ours else [
+                dict(r, stage=stage(r["phase"], r["kernel"])) for r in got]
         except Exception as e:
             emit("profile", impl=impl, **failure(e))
             continue
-        got = annotate(got, family, target) if ours else [
-            dict(r, stage=stage(r["phase"], r["kernel"])) for r in got]
         for r in got:
             r.update(impl=impl, family=family)
             emit("kernel", **r)

@@ -10,6 +10,14 @@ def _knobs(k):
     return ", ".join(f"{n}={v}" for n, v in sorted(k.items()))
 
 
+def _config(x) -> str:
+    ran, mod = x.get("config"), x.get("model_config")
+    if not ran:
+        return "-"
+    text = f"{ran[0]}, {ran[1]}"
+    return text if not mod or mod == ran else f"{text} (model: {mod[0]}, {mod[1]})"
+
+
 def tune_line(r) -> str:
     """One line on fla's autotuning: tuned here (and its cold time), or loaded."""
     if not r:
@@ -42,15 +50,18 @@ def _kernel_tables(st) -> list:
     out += [f"- {x['impl']}: {x['status']}: {x['error']}" for x in bad] + ([""] if bad else [])
     ours = [x for x in kern if x["impl"].startswith("ours")]
     if ours:
-        out += ["| implementation | phase | stage | kernel | grid | device us | model G warp-instr"
-                " | regs | CTAs/SM | bar.sync/loop |", "|---|---|---|---|---|---|---|---|---|---|"]
+        out += ["| implementation | phase | stage | kernel | grid | warps, stages | device us | "
+                "model G warp-instr | regs | CTAs/SM | bar.sync/loop |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         for x in ours:
             dyn = x.get("model_dynamic")
             out.append(f"| {x['impl']} | {x['phase']} | {x['stage']} | {x['kernel'][:60]} | "
-                       f"{tuple(x['grid']) if x.get('grid') else '-'} | {_us(x['us'])} | "
-                       f"{'-' if not dyn else f'{dyn / 1e9:.3f}'} | {x.get('model_regs', '-')} | "
-                       f"{x.get('model_ctas_per_sm', '-')} | {x.get('model_bars', '-')} |")
-        out.append("")
+                       f"{tuple(x['grid']) if x.get('grid') else '-'} | {_config(x)} | "
+                       f"{_us(x['us'])} | {'-' if not dyn else f'{dyn / 1e9:.3f}'} | "
+                       f"{x.get('model_regs', '-')} | {x.get('model_ctas_per_sm', '-')} | "
+                       f"{x.get('model_bars', '-')} |")
+        out += ["", "(warps, stages: as launched; \"model: ...\" where the model's report "
+                "compiled another config, a tuned launch: its figures are the default's.)", ""]
     rho = r.get("rank_correlation") or {}
     if rho:
         out += ["How well the instruction model ranks our kernels (Spearman's rank correlation "
