@@ -153,8 +153,8 @@ DRY = Plan(
         "per-kernel times: each launch of ours timed alone by a host clock (no profiler's "
         "device activity); fla's stand-ins launch no kernels of fla's; the instruction "
         "model's figures are the committed AOT report's at the reference shape",
-        "config sweep: the fused family's candidates, key gate, one knob at a time, each "
-        "launch timed once by a host clock; the device table written is the CPU's "
+        "config sweep: the fused family's candidates, fp32, key gate, one knob at a time, "
+        "each launch timed once by a host clock; the device table written is the CPU's "
         "(never shipped)",
     ),
 )

@@ -102,12 +102,13 @@ def _sweep_table(st) -> list:
         return ["not measured in this run.", ""]
     by = {s: sum(x.get("status") == s for x in cands) for s in ("ok", "error", "not_reached")}
     out = [f"Each launch site's candidates (bridge/tuning.py `candidates`: warps, stages, tiles "
-           f"that fit) at (B,T,H,K,V) = {tuple(r.get('shape') or ())}, bf16, on "
+           f"that fit) at (B,T,H,K,V) = {tuple(r.get('shape') or ())}, {r.get('dtype')}, on "
            f"{r.get('device')}: {len(cands)} candidates, {by['ok']} timed, {by['error']} "
            f"failed, {by['not_reached']} not reached. Each sums the device times of the "
            f"launches its knobs change; a winner must beat the defaults by "
-           f"{100 * (r.get('margin') or 0):.0f}%. The {r.get('entries', 0)} winners are the "
-           f"device table {r.get('table')} (`python -m bridge.tuning --merge` ships it).", "",
+           f"{100 * (r.get('margin') or 0):.0f}%. Winners that do: {r.get('entries', 0)}, "
+           f"written as the device table {r.get('table')} (`python -m bridge.tuning --merge` "
+           "ships it).", "",
            "| gates | family | site | chosen | us | defaults | defaults us | defaults / chosen "
            "| candidates |", "|---|---|---|---|---|---|---|---|---|"]
     for w in r.get("winners") or ():

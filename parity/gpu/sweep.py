@@ -1,11 +1,13 @@
 """Step "sweep": the config sweep. For each Triton family and gate set of the plan, at
-(B, sweep_T, H, K, V) bf16, every candidate of `bridge.tuning.candidates` (each launch
-site's warps, stages and tiles that fit; compiled ahead by parity/gpu/ahead.py) runs
-its call's forward and backward once, then each launch the site's knobs change is timed
-alone (`parity.bench.gpu.bench`, warm, on the buffers that call left). A site's winner
-is its fastest candidate when it beats the family's defaults by more than MARGIN; the
-winners go to OUT/tuning.json, a device table for `python -m bridge.tuning --merge`
-(bridge/tuning.py: what the launch lists read as their defaults on this device).
+(B, sweep_T, H, K, V) bf16 (the dry run: fp32), every candidate of
+`bridge.tuning.candidates` (each launch site's warps, stages and tiles that fit;
+compiled ahead by parity/gpu/ahead.py) runs its call's forward and backward once, then
+each launch the site's knobs change is timed alone (`parity.bench.gpu.bench`, warm, on
+the buffers that call left). A site's winner is its fastest candidate when it beats the
+family's defaults by more than MARGIN; the winners go to OUT/tuning.json, a device table
+for `python -m bridge.tuning --merge` (bridge/tuning.py: what the launch lists read as
+their defaults on this device). Candidates that spill registers are kept: the timing
+decides.
 
 A new family is swept once it names its `SITES` and asks `tuning.pick` for them.
 """
@@ -21,7 +23,9 @@ _ENVS = {}     # (gates, mode) -> the call's inputs: the last call's, per proces
 
 
 def call_plan(plan, gates):
-    return aot.report_plan((plan.B, plan.sweep_T, plan.H, plan.K, plan.V), "bf16", gates)
+    """The swept call: bf16 (fp32 in the dry run, whose inputs are fp32), this gate set."""
+    return aot.report_plan((plan.B, plan.sweep_T, plan.H, plan.K, plan.V),
+                           "fp32" if plan.dry else "bf16", gates)
 
 
 def inputs(p, device) -> dict:
@@ -155,4 +159,5 @@ def run(emit, deadline, *, plan, out_path):
     with open(out_path, "w") as f:
         json.dump(table, f, indent=1, sort_keys=True)
     return {"device": device, "winners": report, "entries": len(winners), "table": out_path,
-            "shape": [plan.B, plan.sweep_T, plan.H, plan.K, plan.V], "margin": MARGIN}
+            "shape": [plan.B, plan.sweep_T, plan.H, plan.K, plan.V], "margin": MARGIN,
+            "dtype": "fp32" if plan.dry else "bf16"}
