@@ -112,6 +112,7 @@ def test_candidates_cover_each_site_with_defaults_first():
 
 SMALL = {"chunk": cases.Case("tiles", B=1, T=80, H=1, Hk=1, K=128, V=128, g="key"),
          "fused_recurrent": cases.Case("tiles", B=1, T=6, H=1, Hk=1, K=128, V=128, g="key")}
+GATES = {"key": {}, "all": dict(gk=True, gv=True, g_gamma="head")}  # as bridge.aot.GATES
 
 
 def _tilings(plan, mode):
@@ -130,11 +131,13 @@ def _tilings(plan, mode):
     return out
 
 
+@pytest.mark.parametrize("gates", ["key", "all"])
 @pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
-def test_every_candidate_tiling_matches_the_oracle(mode):
-    """Each tiling of the sweep's list at the reference shape's K = V = 128, bf16, key
-    gate (T = 80: two chunks, the second partial), forward and backward."""
-    case = SMALL[mode]
+def test_every_candidate_tiling_matches_the_oracle(mode, gates):
+    """Each tiling of the sweep's list at the reference shape's K = V = 128, bf16, with
+    the key gate and with every gate (the sweep's two gate sets), forward and backward
+    (chunk: T = 80, two chunks, the second partial)."""
+    case = SMALL[mode].with_(**GATES[gates])
     arrays = backends.prepared(case, "bfloat16", 0)
     want = backends.Oracle().run(case, arrays, "bfloat16")
     t = cases.to_torch(arrays, torch.bfloat16)
@@ -154,7 +157,7 @@ def test_every_candidate_tiling_matches_the_oracle(mode):
         try:
             assert_close(errs, "bfloat16")
         except AssertionError as e:
-            raise AssertionError(f"{mode} {site} {knobs}: {e}") from None
+            raise AssertionError(f"{mode} {gates} {site} {knobs}: {e}") from None
 
 
 BUILD = """
