@@ -16,6 +16,9 @@ objects or asked for its kernels.
 - `context.py`: the framework-neutral steps of context parallelism and its vocabulary.
 - `grads.py`: gradients from a backward launch list's buffers.
 - `launch.py`: the `Launch` records of a launch list, bound by kernel parameter name.
+- `tuning.py`*: launch configs by device, the table (`tuning.json`) whose entries the
+  launch plans take as their defaults (the device named by torch or JAX, whichever is
+  loaded, only when asked for a launch list).
 - `kernels/`: the Triton kernels and their launch plans (`__init__.py`* asks torch whether
   a GPU is there, to choose Triton's interpreter; `interpreter.py` patches it).
 - `weights.py`*: the layer configuration; weight transfer torch <-> JAX.

@@ -3,10 +3,15 @@ CPU at tiny shapes (Triton's interpreter; stand-ins for CUDA and fla, named as s
 
 Checked: every step runs in order under its cap and records its result; the JSON
 follows the schema; the figures agree where they must (our kernels against fla's
-stand-ins, an independent algorithm); a step made to fail, or to hang past its cap, is
-recorded and the next step still runs; BENCHMARKS.md's GPU section is rendered from the
-JSON alone, the rest of the file untouched. Two kit runs, ~20-40 s each here."""
+stand-ins, an independent algorithm); every measurement is its own row with its own
+status, so a failing implementation, an fla not warmed or absent, loses only its rows;
+fla's autotuner winners are written and a later run given them tunes nothing; the
+per-kernel times carry the instruction model's figures and the config sweep writes a
+device table; a step made to fail, or to hang past its cap, is recorded and the next
+step still runs; BENCHMARKS.md's GPU section is rendered from the JSON alone, the rest
+of the file untouched. Three kit runs, ~30-70 s each here."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -15,7 +20,8 @@ import sys
 
 import pytest
 
-from parity.gpu import render
+from bridge import tuning
+from parity.gpu import kernels, render
 from parity.gpu.plan import DRY, STEPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,6 +66,11 @@ def test_every_step_runs_in_order_and_records_its_result(clean):
     by = _steps(result)
     m = by["machine"]["result"]
     assert m["matmul_tflops"] > 0 and m["copy_gbps"] > 0 and m["versions"]["torch"] != "absent"
+    assert {k: s["status"] for k, s in by.items()} == {k: "ok" for k in STEPS}
+    for s in result["steps"]:
+        for r in s["rows"]:
+            assert r["kind"] not in render.MEASURED or r["status"] in (
+                "ok", "error", "not_warmed", "absent"), (s["name"], r)
     tests = _rows(by["correctness"], "test")  # no CUDA: tests/test_cuda.py skips itself
     assert tests and all(t["outcome"] == "skipped" for t in tests)
     assert by["correctness"]["result"]["counts"]["skipped"] == len(tests)
@@ -68,7 +79,7 @@ def test_every_step_runs_in_order_and_records_its_result(clean):
 def test_speed_times_every_implementation_and_they_agree(clean):
     by = _steps(clean[1])
     rows = _rows(by["speed"])
-    timed = {(r["impl"], r["mode"]) for r in rows if r["ms"] and r["ms"] > 0 and not r["error"]}
+    timed = {(r["impl"], r["mode"]) for r in rows if r["status"] == "ok" and r["ms"] > 0}
     impls = ["ours chunk (torch)", "ours fused_recurrent (torch)", "stand-in for fla chunk_gla",
              "stand-in for fla fused_recurrent_gla", "ours fused_recurrent (jax)",
              "ours fused_recurrent (torch, synced)"]
@@ -76,23 +87,144 @@ def test_speed_times_every_implementation_and_they_agree(clean):
     # ours chunked against each other implementation (fla's stand-ins: independent code)
     agree = [r["vs_ours_chunk"] for r in rows if r.get("vs_ours_chunk") is not None]
     assert len(agree) == 8 and max(agree) < 1e-5, agree
+    # the implementation that fails, first in its child: its rows only
+    failed = [r for r in rows if r["status"] != "ok"]
+    assert {(r["impl"], r["status"]) for r in failed} == {("stand-in that fails", "error")}
+    assert len(failed) == 2 and all("StandInFailure" in r["error"] for r in failed)
     same = _rows(by["speed"], "agree")  # one kernel, two launchers
     assert same and all(r["jax_vs_torch"] < 1e-6 for r in same)
     launches = _rows(by["speed"], "launch")
     assert launches and all(r["ms"] > 0 and r["bound_ms"] > 0 for r in launches)
     assert {r["stage"] for r in launches} == {"fwd", "bwd"}
-    assert "compile-ahead workers" in by["speed"]["result"]["ahead"]
 
 
-def test_varlen_and_decode(clean):
+def test_varlen_and_decode_rows_survive_a_failure_and_an_fla_not_warmed(clean):
     by = _steps(clean[1])
     rows = _rows(by["varlen"])
-    assert len(rows) == 6 and all(r["ms"] > 0 and not r["error"] for r in rows)
-    assert max(r["vs_ours"] for r in rows if r["mode"] == "fwd") < 1e-5
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert len(rows) == 8 and len(ok) == 6 and all(r["ms"] > 0 for r in ok)
+    assert {r["impl"] for r in rows if r["status"] == "error"} == {"stand-in that fails"}
+    assert max(r["vs_ours"] for r in ok if r["mode"] == "fwd") < 1e-5
     assert by["varlen"]["result"]["stand_in_host_sync"] is None  # no host read
-    dec = _rows(by["decode"])
-    assert [r["batch"] for r in dec] == list(DRY.decode_batches)
-    assert all(r["ours_ms"] > 0 and r["fla_ms"] > 0 and r["vs_fla"] < 1e-5 for r in dec)
+    # decode: fla's tuning skipped its calls (the dry run's fault): fla's rows are not
+    # warmed, the failing stand-in's fail, ours are measured at every batch
+    dec = {(r["impl"], r["batch"]): r for r in _rows(by["decode"])}
+    for B in DRY.decode_batches:
+        assert dec[("ours", B)]["status"] == "ok" and dec[("ours", B)]["ms"] > 0
+        assert dec[("stand-in for fla fused_recurrent_gla", B)]["status"] == "not_warmed"
+        assert "NotWarmed" in dec[("stand-in for fla fused_recurrent_gla", B)]["error"]
+        assert dec[("stand-in that fails", B)]["status"] == "error"
+    assert len(dec) == 3 * len(DRY.decode_batches)
+
+
+def test_fla_is_tuned_once_and_its_winners_written(clean):
+    _, result, _, path = clean
+    tune = _steps(result)["tune"]
+    r = tune["result"]
+    assert tune["status"] == "ok" and r["tuned"] and r["fla_cold_s"] >= r["tune_s"] > 0
+    with open(os.path.join(os.path.dirname(path), "fla-configs.json")) as f:
+        winners = json.load(f)["winners"]
+    # one tuned key per output size of fla's calls in speed and varlen (decode skipped)
+    assert len(winners) == r["winners"] == 2
+    assert {w["kernel"] for w in winners} == {"standin_tuned_copy"}
+    assert all(w["config"]["kwargs"]["BLOCK"] in (64, 256) for w in winners)
+    # fla's timed children loaded them and never tuned: their speed rows are measured
+    speed = _steps(result)["speed"]
+    assert speed["result"]["parts"]["fla"]["status"] == "ok"
+    assert all(r["status"] == "ok" for r in _rows(speed) if "fla" in r["impl"])
+
+
+def test_kernels_section_pairs_device_times_with_the_model(clean):
+    _, result, md, _ = clean
+    k = result["kernels"]
+    assert k == {key: _steps(result)["kernels"][key] for key in ("status", "result", "rows")}
+    rows = [r for r in k["rows"] if r["kind"] == "kernel"]
+    fam = [r for r in rows if r["impl"] == "ours fused_recurrent (torch)"]
+    assert [r["kernel"] for r in fam] == ["fused_recurrent_fwd_kernel",
+                                         "fused_recurrent_fwd_kernel",
+                                         "fused_recurrent_bwd_dkv_kernel",
+                                         "fused_recurrent_bwd_combine_kernel"]
+    assert all(r["us"] > 0 and r["model_dynamic"] > 0 and r["model_regs"] for r in fam)
+    status = {r["impl"]: r["status"] for r in k["rows"] if r["kind"] == "profile"}
+    assert status == {"ours chunk (torch)": "ok", "ours fused_recurrent (torch)": "ok",
+                      "stand-in for fla chunk_gla": "absent"}
+    for impl in ("ours chunk (torch)", "ours fused_recurrent (torch)"):
+        mine = [r for r in rows if r["impl"] == impl]
+        rho = k["result"]["rank_correlation"][impl]
+        assert all(r.get("model_dynamic") for r in mine), impl
+        assert rho == kernels.spearman([r["model_dynamic"] for r in mine],
+                                       [r["us"] for r in mine])
+    # chunk: the stages of the model's report, the forward's state pass among them
+    chunk = [r for r in rows if r["impl"] == "ours chunk (torch)"]
+    assert {(r["phase"], r["stage"]) for r in chunk} >= {
+        ("fwd", "state"), ("fwd", "intra"), ("fwd", "output"), ("bwd", "dA"), ("bwd", "dv"),
+        ("bwd", "dq/dk")}
+    stages = k["result"]["stages"]["ours chunk (torch)"]
+    assert stages["fwd/state"] == pytest.approx(sum(
+        r["us"] for r in chunk if (r["phase"], r["stage"]) == ("fwd", "state")))
+    assert "### Per-kernel device times" in md and "Spearman" in md
+    assert "Stage by stage, device us: ours chunk (torch)" in md
+    # each launch's warps and stages as launched, beside the model's where they differ
+    # (the dry run's fp32 tiny call against the report's bf16 reference call)
+    assert all(len(r["config"]) == 2 and len(r["model_config"]) == 2 for r in chunk + fam)
+    differ = [r for r in chunk + fam if r["config"] != r["model_config"]]
+    assert differ and "(model: " in md
+
+
+def test_rank_correlation_and_stages():
+    assert kernels.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert kernels.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # ties averaged: ranks (0, 1.5, 1.5, 3) and (0, 2, 1, 3), Pearson 4.5 / sqrt(4.5 * 5)
+    assert kernels.spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(3 / 10 ** 0.5)
+    assert kernels.spearman([1, 2], [2, 1]) is None
+    names = {("fwd", "chunk_state_kernel"): "state", ("fwd", "chunk_fwd_kernel_h"): "state",
+             ("fwd", "chunk_intra_kernel"): "intra",
+             ("fwd", "chunk_gla_fwd_A_kernel_intra_sub_inter"): "intra",
+             ("fwd", "chunk_output_kernel"): "output", ("fwd", "chunk_gla_fwd_kernel_o"): "output",
+             ("bwd", "chunk_bwd_kernel_dh"): "state", ("bwd", "chunk_dA_kernel"): "dA",
+             ("bwd", "chunk_gla_bwd_kernel_dA"): "dA", ("bwd", "chunk_gla_bwd_kernel_dv"): "dv",
+             ("bwd", "chunk_dqk_kernel"): "dq/dk", ("bwd", "chunk_gla_bwd_kernel_inter"): "dq/dk",
+             ("bwd", "chunk_gla_bwd_kernel_intra"): "dq/dk", ("bwd", "chunk_intra_kernel"): "intra",
+             ("fwd", "chunk_local_cumsum_vector_kernel"): "gates",
+             ("bwd", "void at::native::elementwise_kernel"): "other"}
+    assert {k: kernels.stage(*k) for k in names} == names
+
+
+class _FakeProfile:
+    """What kernels._trace_kernels reads of a torch.profiler session: its Chrome trace,
+    here written as torch 2.x writes CUDA kernel events (cat "kernel", args.grid)."""
+
+    def export_chrome_trace(self, path):
+        events = [{"ph": "X", "cat": "kernel", "name": "chunk_state_kernel", "dur": 12.5,
+                   "args": {"grid": [256, 1, 1], "block": [128, 1, 1]}},
+                  {"ph": "X", "cat": "cpu_op", "name": "aten::empty", "dur": 3.0},
+                  {"ph": "X", "cat": "kernel", "name": "void at::native::fill", "dur": 1.0,
+                   "args": {}}]
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events}, f)
+
+
+def test_profiler_trace_gives_kernel_name_grid_and_time():
+    assert kernels._trace_kernels(_FakeProfile()) == [
+        ("chunk_state_kernel", [256, 1, 1], 12.5), ("void at::native::fill", None, 1.0)]
+
+
+def test_sweep_writes_a_device_table(clean):
+    _, result, _, path = clean
+    sw = result["sweep"]
+    cands = [r for r in sw["rows"] if r["kind"] == "candidate"]
+    assert cands and all(r["status"] == "ok" and r["us"] > 0 for r in cands)
+    assert {r["family"] for r in cands} == {"fused_recurrent"}
+    assert sum(r["default"] for r in cands) == len({r["site"] for r in cands})
+    table = tuning.load(os.path.join(os.path.dirname(path), "tuning.json"))
+    (device, rec), = table["devices"].items()
+    assert device == sw["result"]["device"] and "never shipped" in device
+    assert len(rec["entries"]) == sw["result"]["entries"]
+    chosen = {(w["family"], w["site"]): w for w in sw["result"]["winners"]}
+    for key, knobs in rec["entries"].items():
+        fam, site = key.split("/")[:2]
+        w = chosen[(fam, site)]
+        assert w["knobs"] == knobs and w["us"] < (1 - sw["result"]["margin"]) * w["default_us"]
 
 
 def test_benchmarks_section_is_rendered_from_the_json(clean, tmp_path):
@@ -115,24 +247,54 @@ def test_benchmarks_section_is_rendered_from_the_json(clean, tmp_path):
     assert again.read_text() == md
 
 
-def test_a_failed_or_hung_step_is_recorded_and_the_next_runs(tmp_path):
-    _, result, md, _ = _kit(tmp_path, *[a for s in ("machine=fail", "correctness=hang",
-                                                    "speed=fail", "varlen=fail")
-                                        for a in ("--inject", s)])
+def test_a_failed_or_hung_step_is_recorded_and_the_next_runs(tmp_path, clean):
+    """Also: fla's winners from the clean run (--fla-configs): nothing is tuned."""
+    configs = os.path.join(os.path.dirname(clean[3]), "fla-configs.json")
+    _, result, md, _ = _kit(tmp_path, "--fla-configs", configs, *[
+        a for s in ("machine=fail", "correctness=hang", "varlen=fail", "kernels=fail",
+                    "sweep=fail") for a in ("--inject", s)])
     render.validate(result)
     by = _steps(result)
     assert by["machine"]["status"] == "error" and "injected" in by["machine"]["error"]
     # after a failure: runs, hangs, is killed at its 3 s cap
     assert by["correctness"]["status"] == "timed_out" and by["correctness"]["wall_s"] < 15
     assert "killed at its cap" in by["correctness"]["error"]
-    assert by["speed"]["status"] == "error" and by["varlen"]["status"] == "error"
+    assert by["varlen"]["status"] == "error"
+    # the failed child's rows: each expected row recorded, with the child's failure
+    varlen = _rows(by["varlen"])
+    assert len(varlen) == 8 and all(r["status"] == "error" and "injected" in r["error"]
+                                    for r in varlen)
     assert by["decode"]["status"] == "ok" and _rows(by["decode"])  # after all of them
     assert "| correctness | timed_out |" in md
+    tune = by["tune"]["result"]
+    assert tune["tuned"] is False and tune["source"] == configs and tune["winners"] == 2
+    assert not [r for r in by["tune"]["rows"] if r["kind"] == "call"]  # nothing tuned
+    assert all(r["status"] == "ok" for r in _rows(by["speed"]) if "fla" in r["impl"])
+    assert f"winners loaded from {configs}" in md
+    assert result["kernels"]["status"] == "error" and result["sweep"]["status"] == "error"
+
+
+def test_ours_is_measured_without_fla(tmp_path):
+    _, result, md, _ = _kit(tmp_path, *[a for s in ("fla=absent", "correctness=fail",
+                                                    "kernels=fail", "sweep=fail")
+                                        for a in ("--inject", s)])
+    by = _steps(result)
+    assert by["tune"]["result"]["skipped"].startswith("fla absent")
+    for step in ("speed", "varlen", "decode"):
+        rows = _rows(by[step])
+        fla = [r for r in rows if "fla" in r["impl"]]
+        ours = [r for r in rows if r["impl"].startswith("ours")]
+        assert fla and all(r["status"] == "absent" and "fla absent" in r["error"] for r in fla)
+        assert ours and all(r["status"] == "ok" for r in ours), step
 
 
 def test_schema_and_section_placement():
     with pytest.raises(ValueError, match="steps"):
         render.validate({"schema": render.SCHEMA, "steps": [{"name": "machine"}]})
+    step = {"name": "speed", "status": "ok", "cap_s": 1, "estimate_s": 1, "wall_s": 1,
+            "result": {}, "rows": [{"kind": "row", "impl": "x"}]}
+    with pytest.raises(ValueError, match="a row row with status None"):
+        render.validate({"schema": render.SCHEMA, "steps": [step]})
     text = "# B\n\n## A\n\nold a\n\n## GPU\n\nold gpu\n\n## C\n\nc\n"
     want = "# B\n\n## A\n\nold a\n\n## GPU\n\nnew\n\n## C\n\nc\n"
     assert render.replace_section(text, "new") == want
@@ -179,3 +341,36 @@ def test_fla_autotuner_controls():
     assert "benchmarked [32, 128]" in out.stdout, out.stdout + out.stderr[-2000:]
     assert "tuned key runs" in out.stdout
     assert "refused: fla's autotuner for k was not warmed" in out.stdout
+
+
+FLA_WINNERS = """
+import json
+import bridge.kernels  # Triton's interpreter, before triton loads
+from parity.gpu import fla
+from parity.gpu.plan import FULL
+fns, why = fla.ops(FULL)
+found = fla.autotuners(fla.FLA_MODULES)
+at = found[("fla.ops.gla.chunk", "chunk_gla_fwd_kernel_o")]
+config = at.configs[-1]
+record = {"module": "fla.ops.gla.chunk", "kernel": "chunk_gla_fwd_kernel_o",
+          "key": [128, 128, 64, "torch.bfloat16"], "config": fla._config_dict(config)}
+loaded = fla.load_winners([record, dict(record, kernel="no_such_kernel")], fla.FLA_MODULES)
+back = [w for w in fla.winners(fla.FLA_MODULES) if w["kernel"] == "chunk_gla_fwd_kernel_o"]
+print(json.dumps({"n": len(found), "loaded": loaded, "back": back, "record": record,
+                  "h": ("fla.ops.common.chunk_h", "chunk_fwd_kernel_h") in found,
+                  "same": at.cache[(128, 128, 64, "torch.bfloat16")].all_kwargs()
+                  == config.all_kwargs()}))
+"""
+
+
+def test_fla_winners_round_trip_through_fla_core_s_own_autotuners():
+    """fla's autotuners are found by module (fla-core 0.6.0 imports on the CPU); a
+    winner written as JSON loads back into the autotuner it names and reads back the same."""
+    if importlib.util.find_spec("fla") is None:
+        pytest.skip("fla-core (the bench and test extras) not installed")
+    out = subprocess.run([sys.executable, "-c", FLA_WINNERS], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["n"] > 50 and got["h"] and got["loaded"] == 1 and got["same"]
+    assert got["back"] == [got["record"]]

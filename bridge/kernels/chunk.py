@@ -19,11 +19,13 @@ Buffers the backward reads from these launches:
            dtype for bf16/fp16 inputs unless intra_launch(fp32=True);
   odo      [B,T,H,V] fp32 (output_launch(prime=True), gv only).
 
-Config (fixed, the same for the interpreter, torch and JAX launches, so that
-every path runs one variant): chunks of BT = 64 tokens, K and V blocks of up
-to 64 (the output kernel takes V up to 128 at once), warps and stages per kernel
-from `warps` and `stages` (chosen with the SASS of `python -m bridge.aot
---report`). Every grid is one axis (x < 2^31 programs).
+Config (the same for the interpreter, torch and JAX launches, so that every
+path runs one variant): chunks of BT = 64 tokens, K and V blocks of up to 64
+(the output kernel takes V up to 128 at once), warps and stages per kernel from
+`warps` and `stages` (chosen with the SASS of `python -m bridge.aot --report`).
+These are the defaults; on a device that bridge/tuning.json names, its measured
+entry for a launch site (`SITES`) replaces them. Every grid is one axis (x < 2^31
+programs).
 fp32 inputs take exact ("ieee") products; GLA_BRIDGE_TF32=1 opts into tf32.
 States h/dh are stored in bf16 for bf16 inputs (they are bf16 dot operands
 anyway), in fp32 otherwise (fp16's range is too small for a state).
@@ -31,6 +33,7 @@ anyway), in fp32 otherwise (fp16's range is too small for a state).
 
 import os
 
+from .. import tuning
 from ..contract import ITEMSIZE
 from ..launch import Launch, Out
 from .chunk_bwd import chunk_dA_kernel, chunk_dgamma_kernel, chunk_dqk_kernel, chunk_dv_kernel
@@ -84,6 +87,29 @@ DQK_BV = 32  # V blocks of the state products: fewer loaded registers beside the
 LEVELS = BT.bit_length() - 1  # pairs inside a chunk split by their highest differing bit
 
 
+# The launch sites the device table (bridge/tuning.py) may tune, each with the candidate
+# values the GPU kit's sweep tries (a candidate that does not fit is dropped there):
+# num_stages > 1 only matters where a loop streams tiles
+SITES = {
+    "chunk_gate_kernel": dict(num_warps=(2, 4, 8)),
+    "chunk_state_kernel": dict(num_warps=(4, 8), num_stages=(1, 2, 3)),
+    "chunk_intra_kernel": dict(num_warps=(4, 8), num_stages=(1, 2), BK=(16, 32, 64)),
+    "chunk_output_kernel": dict(num_warps=(4, 8), num_stages=(1, 2), BV=(32, 64, 128)),
+    "chunk_dA_kernel": dict(num_warps=(4, 8), num_stages=(1, 2), BV=(32, 64)),
+    "chunk_dv_kernel": dict(num_warps=(4, 8), num_stages=(1, 2), BV=(64, 128)),
+    "chunk_dqk_kernel": dict(num_warps=(4, 8), num_stages=(1, 2, 3), BK=(16, 32, 64),
+                             BV=(32, 64)),
+}
+
+
+def knobs(plan, kernel, **tiles) -> dict:
+    """num_warps, num_stages and the given tiles of one launch site: the defaults
+    (`warps`, `stages`, the tiles passed), or the device table's entry."""
+    name = kernel.__name__
+    return tuning.pick(plan, "chunk", name, dict(num_warps=warps(name, plan),
+                                                 num_stages=stages(name, plan), **tiles))
+
+
 def config(plan) -> dict:
     """Tiles: K and V blocks of up to 64 (32 along V for fp32, whose products are
     FMA loops: ptxas spilled tens of KB on fully unrolled 64x64x64 fp32 products)."""
@@ -131,12 +157,15 @@ def _consts(plan, c) -> dict:
                 LOG_N=max(1, int(plan.N).bit_length()), LEVELS=LEVELS, DOT_PREC=dot_precision())
 
 
-def _launch(plan, kernel, grid, inputs, scalars, outputs, consts, flops=0, nbytes=0, **extra):
+def _launch(plan, kernel, grid, inputs, scalars, outputs, consts, flops=0, nbytes=0,
+            tuned=None, **extra):
+    """A Launch of `kernel`; `tuned` is its `knobs` (picked here when None; tiles in
+    it are constexprs of the kernel)."""
+    k = dict(knobs(plan, kernel) if tuned is None else tuned)
+    nw, ns = k.pop("num_warps"), k.pop("num_stages")
     return Launch(kernel, grid=grid, inputs=inputs, scalars=scalars, outputs=outputs,
-                  constexprs=_only(kernel, dict(consts, **extra)),
-                  num_warps=warps(kernel.__name__, plan),
-                  num_stages=stages(kernel.__name__, plan), dot_flops=int(flops),
-                  bytes=int(nbytes))
+                  constexprs=_only(kernel, dict(consts, **extra, **k)),
+                  num_warps=nw, num_stages=ns, dot_flops=int(flops), bytes=int(nbytes))
 
 
 def gate_launch(plan, value: bool, backward: bool) -> Launch:
@@ -203,13 +232,14 @@ def intra_launch(plan, fp32: bool = False) -> Launch:
     B, T, H, K = plan.B, plan.T, plan.H, plan.K
     ns, levels = slots(plan), BT.bit_length() - 1
     products = 2 * levels - 1 if key_gated(plan) else 1  # each level + its segmented sums
+    tuned = knobs(plan, chunk_intra_kernel, BK=intra_bk(plan))
     return _launch(plan, chunk_intra_kernel, (ns * H,),
                    dict(q="q", k="k", **present(plan, "g", "gk", "g_gamma"),
                         **varlen_input(plan)),
                    dict(scale=plan.scale, T=T, N=plan.N),
                    dict(A=Out("A", (B, T, H, BT), _a_dtype(plan, fp32))),
                    _consts(plan, c),
-                   flops=2 * ns * H * BT * BT * K * products, BK=intra_bk(plan),
+                   flops=2 * ns * H * BT * BT * K * products, tuned=tuned,
                    nbytes=B * T * (H + plan.Hk) * K * _size(plan)
                    + B * T * H * BT * (4 if _a_dtype(plan, fp32) == "float32" else 2))
 
@@ -230,7 +260,8 @@ def output_launch(plan, prime: bool = False) -> Launch:
     c = config(plan)
     B, T, H, K, V = plan.B, plan.T, plan.H, plan.K, plan.V
     ns, isz = slots(plan), _size(plan)
-    bv = output_bv(plan)
+    tuned = knobs(plan, chunk_output_kernel, BV=output_bv(plan))
+    bv = tuned["BV"]
     out = Out("odo", (B, T, H, V)) if prime else Out("o", (B, T, H, V), "like:q")
     ssz = _state_size(plan)
     nbytes = (B * T * (H * K + plan.Hk * V + H * V * (2 if prime else 1)) * isz
@@ -239,7 +270,7 @@ def output_launch(plan, prime: bool = False) -> Launch:
                    dict(q="q", v="v", **gate_inputs(plan), A="A", h="h", **varlen_input(plan),
                         do="do" if prime else None),
                    dict(scale=plan.scale, T=T, N=plan.N), dict(o=out), _consts(plan, c),
-                   flops=2 * ns * BT * H * V * (K + BT), nbytes=nbytes, PRIME=prime, BV=bv)
+                   flops=2 * ns * BT * H * V * (K + BT), nbytes=nbytes, PRIME=prime, tuned=tuned)
 
 
 def forward_launches(plan) -> list:
@@ -289,19 +320,20 @@ def backward_launches(plan, use_dht: bool, kept: tuple = ()) -> list:
     # the scan table (chunk_bwd.scan_matrix): in q's dtype for 16-bit inputs, else
     # bf16 (its products run on tensor cores: fp32 values go in as 3 exact pieces)
     n_scan = 2 * LEVELS + 3
-    gv_bv = min(c["BV"], GV_BV) if plan.gv and plan.dtype in DV_BV else c["BV"]
+    tuned_da = knobs(plan, chunk_dA_kernel,
+                     BV=min(c["BV"], GV_BV) if plan.gv and plan.dtype in DV_BV else c["BV"])
     launches.append(_launch(
         plan, chunk_dA_kernel, (ns, H), dict(v="v", **present(plan, "gv"), do="do", **cu),
         dict(T=T, N=N), dict(dA=Out("dA", (B, T, H, BT)),
                              tab=Out("scan_table", (n_scan, BT, BT),
                                      "like:q" if plan.dtype in ("bfloat16", "float16")
-                                     else "bfloat16")), dict(consts, BV=gv_bv),
+                                     else "bfloat16")), consts,
         flops=2 * ns * H * BT * BT * V * (1 + (LEVELS + 1 if plan.gv else 0)),
-        nbytes=tokens * (H + plan.Hk) * V * isz + tokens * H * BT * 4))
-    if plan.gv:
-        dv_bv = gv_bv
-    else:
-        dv_bv = min(DV_BV.get(plan.dtype, c["BV"]), max(16, next_pow2(V)))
+        nbytes=tokens * (H + plan.Hk) * V * isz + tokens * H * BT * 4, tuned=tuned_da))
+    # with gv, dv's V blocks are dA's (its decay tiles beside the accumulators)
+    tuned_dv = knobs(plan, chunk_dv_kernel, **({} if plan.gv else dict(
+        BV=min(DV_BV.get(plan.dtype, c["BV"]), max(16, next_pow2(V))))))
+    dv_bv = tuned_da["BV"] if plan.gv else tuned_dv["BV"]
     launches.append(_launch(
         plan, chunk_dv_kernel, (ns, -(-V // dv_bv), H),
         dict(k="k", v="v", **gates, A="A", h="h", dh="dh", odo="odo" if plan.gv else None,
@@ -311,9 +343,10 @@ def backward_launches(plan, use_dht: bool, kept: tuple = ()) -> list:
         dict(consts, BV=dv_bv),
         flops=2 * ns * BT * H * V * (BT + K),
         nbytes=(tokens * (plan.Hk * K + H * V * 2) * isz + tokens * H * BT * 4
-                + ns * H * K * V * ssz)))
-    bk = min(c["BK"], DQK_BK_WIDE if plan.dtype in ("float32", "float64") else DQK_BK)
-    nk = -(-K // bk)
+                + ns * H * K * V * ssz), tuned=tuned_dv))
+    tuned_dqk = knobs(plan, chunk_dqk_kernel, BV=min(c["BV"], DQK_BV), BK=min(
+        c["BK"], DQK_BK_WIDE if plan.dtype in ("float32", "float64") else DQK_BK))
+    nk = -(-K // tuned_dqk["BK"])
     launches.append(_launch(
         plan, chunk_dqk_kernel, (ns, nk, H),
         dict(q="q", k="k", v="v", **gates, h="h", dh="dh",
@@ -326,10 +359,10 @@ def backward_launches(plan, use_dht: bool, kept: tuple = ()) -> list:
              if plan.g == "key" or plan.gk else None,
              dg_part=Out("dg_head", (nk, B, T, H)) if plan.g == "head" else None,
              dgamma_part=Out("dgamma_part", (nk, ns, H)) if plan.g_gamma != "none" else None),
-        dict(consts, BK=bk, BV=min(c["BV"], DQK_BV)),
+        consts,
         flops=2 * ns * BT * H * K * (2 * V + (2 + 3 * LEVELS) * BT),
         nbytes=(tokens * (2 * H * K + plan.Hk * (K + V) + H * V) * isz
-                + tokens * H * BT * 4 + 2 * ns * H * K * V * ssz)))
+                + tokens * H * BT * 4 + 2 * ns * H * K * V * ssz), tuned=tuned_dqk))
     if plan.g_gamma != "none":
         launches.append(Launch(
             chunk_dgamma_kernel, grid=(N, H), inputs=dict(dgamma_part="dgamma_part", **cu),

@@ -42,6 +42,7 @@ import dataclasses
 import triton
 import triton.language as tl
 
+from .. import tuning
 from ..launch import Launch, Out
 from .common import check_k, flags, gate_inputs, head_gamma, next_pow2, seq_bounds, varlen_input
 
@@ -315,15 +316,35 @@ def fused_recurrent_bwd_combine_kernel(
 
 # ---------------------------------------------------------------- launch plans
 
+# The launch sites the device table (bridge/tuning.py) may tune, each with the candidate
+# values the GPU kit's sweep tries: "tiles" is the V block every launch shares (the
+# state tile [K, BV]); the others each kernel's warps and stages (stages prefetch the
+# next step's rows in the loop over time)
+SITES = {
+    "tiles": dict(BV=(16, 32, 64, 128)),
+    "fused_recurrent_fwd_kernel": dict(num_warps=(2, 4, 8), num_stages=(1, 2, 3)),
+    "fused_recurrent_fwd_kernel.dq": dict(num_warps=(2, 4, 8), num_stages=(1, 2, 3)),
+    "fused_recurrent_bwd_dkv_kernel": dict(num_warps=(2, 4, 8), num_stages=(1, 2, 3)),
+}
+
+
 def config(plan) -> dict:
     """Block sizes: all of K in one block, V split so the fp32 state tile holds
-    at most 4096 values (16-32 registers a thread at 4 warps)."""
+    at most 4096 values (16-32 registers a thread at 4 warps); the device table's
+    "tiles" entry when it has one."""
     check_k(plan, "fused_recurrent")
     BK = next_pow2(plan.K)
-    BV = min(next_pow2(plan.V), max(16, 4096 // BK))
+    BV = tuning.pick(plan, "fused_recurrent", "tiles",
+                     dict(BV=min(next_pow2(plan.V), max(16, 4096 // BK))))["BV"]
     NV = -(-plan.V // BV)
     return dict(BK=BK, BV=BV, NV=NV, BVF=next_pow2(plan.V),
                 num_warps=4 if BK * BV >= 2048 else 2)
+
+
+def _knobs(plan, site, num_warps) -> dict:
+    """num_warps and num_stages of one launch site: `num_warps` and 1 stage, or the
+    device table's entry."""
+    return tuning.pick(plan, "fused_recurrent", site, dict(num_warps=num_warps, num_stages=1))
 
 
 def forward_launches(plan) -> list:
@@ -341,7 +362,7 @@ def forward_launches(plan) -> list:
                      dq=None, odo=None, dfa=None, dfb=None, dgamma_part=None),
         constexprs=dict(flags(plan), BK=c["BK"], BV=c["BV"], NV=c["NV"],
                         USE_H0=plan.initial_state, DQ=False, USE_DHT=False),
-        num_warps=c["num_warps"])])
+        **_knobs(plan, "fused_recurrent_fwd_kernel", c["num_warps"]))])
 
 
 def kept(plan) -> tuple:
@@ -383,7 +404,8 @@ def backward_launches(plan, use_dht: bool, kept: tuple = ()) -> list:
                                USE_DHT=use_dht),
                # the g_gamma tangent is a second state tile: twice the threads hold it
                # (sm_90, unhinted 64 x 64 tile: 255 registers a thread at 4 warps, 128 at 8)
-               num_warps=2 * c["num_warps"] if gamma else c["num_warps"]),
+               **_knobs(plan, "fused_recurrent_fwd_kernel.dq",
+                        2 * c["num_warps"] if gamma else c["num_warps"])),
         Launch(fused_recurrent_bwd_dkv_kernel, grid=(NV * N * H,),
                inputs=dict(q="q", k="k", v="v", **gates, **cu, do="do", dht=dht),
                scalars=dict(scale=plan.scale, T=T),
@@ -391,7 +413,7 @@ def backward_launches(plan, use_dht: bool, kept: tuple = ()) -> list:
                             dh0=Out("d_initial_state", (N, H, K, V))
                             if plan.initial_state else None),
                constexprs=dict(fl, **blocks, USE_H0=plan.initial_state, USE_DHT=use_dht),
-               num_warps=c["num_warps"]),
+               **_knobs(plan, "fused_recurrent_bwd_dkv_kernel", c["num_warps"])),
         _combine(plan, use_dht, NV, c["BK"], c["BVF"], "dfa" if final_a else None,
                  "dfb" if final_b else None, "dgamma_part" if gamma else None),
     ])

@@ -86,7 +86,7 @@ def _jax_pair(hidden, heads, B):
     return ours, ref
 
 
-def _generate(step, x, s, steps, block):
+def time_per_token(step, x, s, steps, block):
     """`steps` tokens, each step's output fed back as the next input; returns s per token."""
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -129,12 +129,12 @@ def measure(framework, quick=False):
         (o1, s1), (o2, s2) = ours(x, s), ref(x, s)
         err = max(diff(o1, o2), diff(s1, s2))
         for _ in range(1 if quick else 2):  # warm-up (compiles)
-            _generate(ours, x, s, steps, block)
-            _generate(ref, x, s, steps, block)
+            time_per_token(ours, x, s, steps, block)
+            time_per_token(ref, x, s, steps, block)
         t_ours, t_ref = [], []
         for _ in range(1 if quick else 7):  # alternating
-            t_ours.append(_generate(ours, x, s, steps, block))
-            t_ref.append(_generate(ref, x, s, steps, block))
+            t_ours.append(time_per_token(ours, x, s, steps, block))
+            t_ref.append(time_per_token(ref, x, s, steps, block))
         rows.append({"framework": framework, "batch": B, "hidden": hidden, "heads": heads,
                      "ours_s": timing.median(t_ours), "ref_s": timing.median(t_ref),
                      "max_abs_diff": err})

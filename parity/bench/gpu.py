@@ -145,7 +145,8 @@ def launch_times(mode, size, tf_peak, gb_peak, device="cuda", rep_ms=50):
     """Per launch of one Triton family at `size` (key gate g, both cotangents): rows
     {stage, kernel, grid, ms, bound_ms} where the bound is max(dot FLOPs / tf_peak, HBM
     bytes / gb_peak) from the launch's own cost model. The launches run one at a time
-    over one env, as the torch launcher runs them."""
+    over one env, as the torch launcher runs them (the backward reusing the forward's
+    kept buffers)."""
     import torch
 
     from bridge import contract
@@ -159,7 +160,7 @@ def launch_times(mode, size, tf_peak, gb_peak, device="cuda", rep_ms=50):
     fam = family(mode)
     rows = []
     for stage, launches in (("fwd", fam.forward_launches(plan)),
-                            ("bwd", fam.backward_launches(plan, use_dht=True))):
+                            ("bwd", fam.backward_launches(plan, True, fam.kept(plan)))):
         if stage == "bwd":
             env.update(do=do, dfinal_state=torch.randn_like(env["final_state"]))
         for launch in launches:
@@ -188,7 +189,7 @@ def section(quick=False, log=print) -> str:
     without touching BENCHMARKS.md; a one-line reason when there is no GPU."""
     why = unavailable()
     if why:
-        return f"not measured: no GPU lent ({why})."
+        return f"not measured: no GPU on this machine ({why})."
     import tempfile
 
     from parity.gpu import __main__ as kit, render

@@ -1,12 +1,17 @@
-"""`python -m parity.gpu [--out DIR] [--quick] [--dry-run] [--md PATH] [--render JSON]`
+"""`python -m parity.gpu [--out DIR] [--quick] [--dry-run] [--fla-configs FILE] [--md PATH]
+[--render JSON]`
 
-Everything this project measures on a GPU, in one command that fits a short lease
-(full: 8 minutes on one H100, --quick: 3). In order, each step under its own time cap
-(parity/gpu/plan.py) and guarded, so a failure is recorded and the next step runs:
-machine, correctness, speed, varlen, decode. Writes DIR/gpu.json (the results),
-DIR/gpu.log (everything the steps printed) and DIR/gpu-section.md, updates
-BENCHMARKS.md's GPU section (and results.json, and parity/bench/results/gpu.json)
-unless --md none, and prints a short table last.
+Everything this project measures on a GPU, in one command with a fixed time budget
+(full: 10 minutes on one H100 or H200, --quick: 3). In order, each step under its own
+time cap (parity/gpu/plan.py) and guarded, so a failure is recorded and the next step
+runs: machine, correctness, tune (fla's autotuning), speed, varlen, decode, kernels
+(per-kernel device times), sweep (launch configs). Within a step each measurement is
+its own row with its own status (parity/gpu/rows.py). Writes DIR/gpu.json (the
+results), DIR/gpu.log (everything the steps printed), DIR/gpu-section.md,
+DIR/fla-configs.json (fla's autotuner winners: pass it as --fla-configs to a later run
+so that it tunes nothing) and DIR/tuning.json (the sweep's device table: `python -m
+bridge.tuning --merge` ships it), updates BENCHMARKS.md's GPU section (and results.json,
+and parity/bench/results/gpu.json) unless --md none, and prints a short table last.
 
 --dry-run runs the same orchestration on the CPU at tiny shapes (Triton's interpreter,
 stand-ins for CUDA and fla, named as such in the output); it leaves BENCHMARKS.md alone
@@ -15,6 +20,7 @@ gpu.json (no GPU needed).
 """
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -25,7 +31,7 @@ import tempfile
 import time
 import traceback
 
-from . import plan as plans, render
+from . import decode, kernels, plan as plans, render, rows, speed, varlen
 from .child import Child
 from .plan import STEPS
 
@@ -39,7 +45,8 @@ DEFAULT_OUT = os.path.join(tempfile.gettempdir(), "gla-bridge-gpu-kit")
 # a forked child could not use CUDA after that)
 PRELOAD = {"gpu": ("numpy", "torch"),
            "cpu": ("numpy", "torch", "bridge.kernels", "torch_side", "jax", "jax_side",
-                   "parity.gpu.speed", "parity.gpu.varlen", "parity.gpu.decode")}
+                   "parity.gpu.speed", "parity.gpu.varlen", "parity.gpu.decode",
+                   "parity.gpu.kernels", "parity.gpu.sweep")}
 HANG_CAP_S = 3.0
 
 
@@ -54,28 +61,38 @@ def parse(argv):
                                 "none; default: BENCHMARKS.md, none for --dry-run)")
     p.add_argument("--render", metavar="JSON", help="measure nothing: rewrite the section (and "
                                                     "results.json, gpu.json) from a gpu.json")
+    p.add_argument("--fla-configs", metavar="FILE", help="fla's autotuner winners from an "
+                                                         "earlier run (its fla-configs.json): "
+                                                         "no tuning")
     p.add_argument("--inject", action="append", default=[], metavar="STEP=fail|hang",
-                   help="make a step fail, or hang until a cap of 3 s (tests of the guards)")
+                   help="make a step fail, or hang until a cap of 3 s; fla=absent: run as "
+                        "if fla-core were not installed (tests of the guards)")
     a = p.parse_args(argv)
     a.injections = {}
     for item in a.inject:
         step, _, what = item.partition("=")
-        if step not in STEPS or what not in ("fail", "hang"):
-            p.error(f"--inject takes STEP=fail|hang with STEP one of {STEPS}, got {item!r}")
+        if (step, what) != ("fla", "absent") and (step not in STEPS
+                                                   or what not in ("fail", "hang")):
+            p.error(f"--inject takes STEP=fail|hang with STEP one of {STEPS}, or fla=absent, "
+                    f"got {item!r}")
         a.injections[step] = what
+    if a.fla_configs and not os.path.exists(a.fla_configs):
+        p.error(f"--fla-configs: no file {a.fla_configs!r}")
     return a
 
 
 class Kit:
     """One run: the plan, where things go, and the steps' shared facts."""
 
-    def __init__(self, plan, out, injections, log=print):
+    def __init__(self, plan, out, injections, log=print, fla_configs=None):
         self.plan, self.out, self.injections, self.print = plan, out, injections, log
+        self.fla_configs = os.path.abspath(fla_configs) if fla_configs else None
+        self.fla_out = os.path.join(out, "fla-configs.json")  # what the timed children load
         self.log_path = os.path.join(out, "gpu.log")
         self.rows_dir = tempfile.mkdtemp(prefix="gla-kit-rows-")
         self.preload = PRELOAD["cpu" if plan.dry else "gpu"]
         self.machine = {}
-        self.background = []
+        self.background = {}  # tag -> Child: the compiles ahead
 
     def say(self, msg):
         self.print(msg)
@@ -89,7 +106,7 @@ class Kit:
                      preload=self.preload, inject=self.injections.get(step))
 
     def close(self):
-        for c in self.background:
+        for c in self.background.values():
             c.kill()
         shutil.rmtree(self.rows_dir, ignore_errors=True)
 
@@ -109,13 +126,15 @@ def step_machine(kit, deadline):
 
 def step_correctness(kit, deadline):
     # meanwhile our later calls and fla's autotune configs compile (parity/gpu/ahead.py)
-    p, cap = kit.plan, _left(deadline) + kit.plan.speed_caps["fla_tune"]
-    kit.background = [kit.child(None, "parity.gpu.ahead:ours", cap, f"ahead-ours-{i}",
-                                worker=i, workers=p.ahead_workers)
-                      for i in range(p.ahead_workers)]
-    kit.background += [kit.child(None, "parity.gpu.ahead:fla_compile", cap, f"ahead-fla-{i}",
-                                 worker=i, workers=p.fla_workers)
-                       for i in range(p.fla_workers)]
+    p = kit.plan
+    cap = _left(deadline) + p.caps["tune"]
+    kit.background = {f"ahead-ours-{i}": kit.child(None, "parity.gpu.ahead:ours", cap,
+                                                   f"ahead-ours-{i}", worker=i,
+                                                   workers=p.ahead_workers)
+                      for i in range(p.ahead_workers)}
+    kit.background.update({f"ahead-fla-{i}": kit.child(
+        None, "parity.gpu.ahead:fla_compile", cap, f"ahead-fla-{i}", worker=i,
+        workers=p.fla_workers, configs=kit.fla_configs) for i in range(p.fla_workers)})
     return kit.child("correctness", "parity.gpu.correctness:run", _left(deadline),
                      "correctness").wait()
 
@@ -128,54 +147,102 @@ def _worst(parts):
     return "ok", None
 
 
-def _part(kit, target, cap_s, tag, **kwargs):
-    """A speed child's outcome; one with under a second left is not started."""
+def step_tune(kit, deadline):
+    """The compiles started beside the correctness step finish (or are cut off, leaving
+    the tuning its reserve), then fla's autotuning runs alone on the GPU (ahead.py);
+    given --fla-configs, the compiles have the whole cap and nothing is tuned."""
+    p = kit.plan
+    reserve = 1 if kit.fla_configs else p.tune_reserve_s
+    ahead = {tag: c.wait(until=deadline - reserve) for tag, c in kit.background.items()}
+    kit.background = {}
+    if kit.fla_configs and p.fla != "absent":
+        from . import fla
+
+        records = fla.read_winners(kit.fla_configs)
+        fla.write_records(kit.fla_out, records, f"loaded from {kit.fla_configs}")
+        out = {"status": "ok", "wall_s": 0.0, "rows": [], "error": None,
+               "result": {"source": kit.fla_configs, "winners": len(records), "tuned": False}}
+    else:
+        out = kit.child("tune", "parity.gpu.ahead:fla_tune", _left(deadline), "fla-tune",
+                        out_path=kit.fla_out).wait()
+    compile_s = max((o["wall_s"] for n, o in ahead.items() if n.startswith("ahead-fla")),
+                    default=0.0)
+    result = dict(out["result"] or {}, compile_ahead={
+        n: {"status": o["status"], "wall_s": o["wall_s"], "error": o["error"],
+            "calls": sum(r.get("status") == "ok" for r in o["rows"] if r["kind"] == "call"),
+            "of": sum(r["kind"] == "call" for r in o["rows"])} for n, o in ahead.items()})
+    result["fla_compile_s"] = compile_s
+    if result.get("tuned"):  # fla's cold start: its configs compiled, then tuned
+        result["fla_cold_s"] = round(compile_s + out["wall_s"], 1)
+    if not os.path.exists(kit.fla_out):
+        result.setdefault("source", "none: no winners written")
+    return dict(out, result=result)
+
+
+def _part(kit, target, cap_s, tag, expected, keys, **kwargs):
+    """A speed child's outcome, its rows completed (rows.complete); one with under a
+    second left is not started."""
     if cap_s < 1:
-        return {"status": "timed_out", "wall_s": 0.0, "rows": [], "result": None,
-                "error": "not started: no time left in the step's cap"}
-    return kit.child("speed", target, cap_s, tag, **kwargs).wait()
+        out = {"status": "timed_out", "wall_s": 0.0, "rows": [], "result": None,
+               "error": "not started: no time left in the step's cap"}
+    else:
+        out = kit.child("speed", target, cap_s, tag, **kwargs).wait()
+    return dict(out, rows=rows.complete(expected, out, keys))
+
+
+ROW_KEYS = ("impl", "T", "mode")
 
 
 def step_speed(kit, deadline):
-    """The compiles started in step 2 finish (or are cut off), fla's autotuning runs alone,
-    then the torch and JAX timings, one after the other."""
+    """Ours from torch, fla, ours from JAX: three children one after the other, each
+    with its own cap, so that one's failure leaves the others' rows."""
     p = kit.plan
-    warm_end = min(time.monotonic() + p.speed_caps["fla_tune"], deadline)
-    ahead = [c.wait(until=warm_end) for c in kit.background]
-    kit.background = []
-    parts = {"fla_tune": _part(kit, "parity.gpu.ahead:fla_tune", _left(warm_end), "fla-tune")}
-    parts["torch"] = _part(kit, "parity.gpu.speed:torch_child",
-                           min(p.speed_caps["torch"], _left(deadline) - 5), "speed-torch",
+    left = lambda part: min(p.speed_caps[part], _left(deadline))  # noqa: E731
+    parts = {"ours": _part(kit, "parity.gpu.speed:ours_child", left("ours"), "speed-ours",
+                           speed.expected(p, "ours"), ROW_KEYS,
                            tf_peak=kit.machine.get("matmul_tflops") or 989.0,
-                           gb_peak=kit.machine.get("copy_gbps") or 3350.0)
-    parts["jax"] = _part(kit, "parity.gpu.speed:jax_child",
-                         min(p.speed_caps["jax"], _left(deadline)), "speed-jax")
+                           gb_peak=kit.machine.get("copy_gbps") or 3350.0)}
+    parts["fla"] = _part(kit, "parity.gpu.speed:fla_child", left("fla"), "speed-fla",
+                         speed.expected(p, "fla"), ROW_KEYS, configs=kit.fla_out)
+    parts["jax"] = _part(kit, "parity.gpu.speed:jax_child", left("jax"), "speed-jax",
+                         speed.expected(p, "jax"), ROW_KEYS)
     status, error = _worst(parts)
-    tune = parts["fla_tune"]
-    calls = [r for r in tune["rows"] if r.get("kind") == "call"]
-    note = (tune["result"] or {}).get("stand_in") or (tune["result"] or {}).get("skipped")
-    ahead = (f"{sum(o['status'] == 'ok' for o in ahead)} of {len(ahead)} compile-ahead workers "
-             f"(ours, fla's configs) finished in {max((o['wall_s'] for o in ahead), default=0):.0f}"
-             f" s; fla's autotuning ({tune['status']}, {tune['wall_s']:.0f} s) made "
-             f"{sum('error' not in r for r in calls)} of {len(calls)} calls"
-             + (f" ({note})" if note else "") + (f" ({tune['error']})" if tune["error"] else ""))
-    rows = [r for o in parts.values() for r in o["rows"]]
-    result = dict(B=p.B, H=p.H, K=p.K, V=p.V, Ts=list(p.Ts), ahead=ahead,
+    result = dict(B=p.B, H=p.H, K=p.K, V=p.V, Ts=list(p.Ts),
                   parts={n: {k: o[k] for k in ("status", "wall_s", "error")}
                          for n, o in parts.items()})
-    return {"status": status, "rows": rows, "result": result, "error": error}
+    return {"status": status, "rows": [r for o in parts.values() for r in o["rows"]],
+            "result": result, "error": error}
+
+
+def _completed(kit, step, target, deadline, expected, keys, kind="row", **kwargs):
+    out = kit.child(step, target, _left(deadline), step, **kwargs).wait()
+    return dict(out, rows=rows.complete(expected, out, keys, kind))
 
 
 def step_varlen(kit, deadline):
-    return kit.child("varlen", "parity.gpu.varlen:run", _left(deadline), "varlen").wait()
+    return _completed(kit, "varlen", "parity.gpu.varlen:run", deadline,
+                      varlen.expected(kit.plan), ("impl", "mode"), configs=kit.fla_out)
 
 
 def step_decode(kit, deadline):
-    return kit.child("decode", "parity.gpu.decode:run", _left(deadline), "decode").wait()
+    return _completed(kit, "decode", "parity.gpu.decode:run", deadline,
+                      decode.expected(kit.plan), ("impl", "batch"), configs=kit.fla_out)
 
 
-STEP_FNS = {"machine": step_machine, "correctness": step_correctness, "speed": step_speed,
-            "varlen": step_varlen, "decode": step_decode}
+def step_kernels(kit, deadline):
+    return _completed(kit, "kernels", "parity.gpu.kernels:run", deadline,
+                      kernels.expected(kit.plan), ("impl",), kind="profile",
+                      configs=kit.fla_out)
+
+
+def step_sweep(kit, deadline):
+    return kit.child("sweep", "parity.gpu.sweep:run", _left(deadline), "sweep",
+                     out_path=os.path.join(kit.out, "tuning.json")).wait()
+
+
+STEP_FNS = {"machine": step_machine, "correctness": step_correctness, "tune": step_tune,
+            "speed": step_speed, "varlen": step_varlen, "decode": step_decode,
+            "kernels": step_kernels, "sweep": step_sweep}
 
 
 def _commit():
@@ -202,16 +269,18 @@ def _environment(plan):
 
 
 def run_kit(out, quick=False, dry=False, md=None, results_json=None, json_copy=None,
-            injections=None, command="python -m parity.gpu", log=print) -> dict:
+            injections=None, command="python -m parity.gpu", log=print, fla_configs=None) -> dict:
     """Run every step (module doc); the validated result, also written to OUT/gpu.json."""
     plan = plans.get(quick=quick, dry=dry)
     injections = injections or {}
+    if injections.get("fla") == "absent":
+        plan = dataclasses.replace(plan, fla="absent")
     _environment(plan)
     os.makedirs(out, exist_ok=True)
-    for name in ("gpu.log", "gpu.json", "gpu-section.md"):
+    for name in ("gpu.log", "gpu.json", "gpu-section.md", "fla-configs.json", "tuning.json"):
         if os.path.exists(os.path.join(out, name)):
             os.remove(os.path.join(out, name))
-    kit = Kit(plan, out, injections, log)
+    kit = Kit(plan, out, injections, log, fla_configs)
     t0 = time.monotonic()
     end = t0 + plan.budget_s
     result = {"schema": render.SCHEMA, "kit": plan.name, "command": command,
@@ -240,6 +309,9 @@ def run_kit(out, quick=False, dry=False, md=None, results_json=None, json_copy=N
                        error=out_.get("error"), result=out_.get("result") or {},
                        rows=out_.get("rows") or [])
             result["steps"].append(rec)
+            if name in render.SECTIONS:  # the JSON's own keys for these two steps
+                result[name] = {"status": rec["status"], "result": rec["result"],
+                                "rows": rec["rows"]}
             kit.say(f"== {name}: {rec['status']} in {rec['wall_s']:.1f} s"
                     + (f" ({rec['error']})" if rec["error"] else ""))
             _write(out, result, t0)
@@ -278,7 +350,7 @@ def main(argv=None):
     result = run_kit(args.out, quick=args.quick, dry=args.dry_run, md=md,
                      results_json=RESULTS if default_files else None,
                      json_copy=JSON_COPY if default_files else None,
-                     injections=args.injections,
+                     injections=args.injections, fla_configs=args.fla_configs,
                      command="python -m parity.gpu " + " ".join(argv),
                      log=lambda m: print(m, flush=True))
     print(f"outputs in {args.out}: gpu.json, gpu.log, gpu-section.md")

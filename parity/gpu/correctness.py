@@ -1,4 +1,4 @@
-"""Step 2: correctness on the device: `tests/test_cuda.py` under pytest, in this child
+"""Step "correctness": correctness on the device: `tests/test_cuda.py` under pytest, in this child
 process (its xdist workers are its own children). The file holds the compiled kernels of
 both families from torch and JAX against the float64 oracle, the (8,4096,16,128,128)
 chunk-vs-fused test, torch.compile(fullgraph=True) of both layers through the triton_op

@@ -1,16 +1,22 @@
-"""Step 5: decoding. The GLA layer (hidden 2048, 4 heads: K=256, V=512, bf16; fla's GLA
+"""Step "decode": decoding. The GLA layer (hidden 2048, 4 heads: K=256, V=512, bf16; fla's GLA
 shape) generating one token a step with its state, at batch 1, 8 and 64, against the
 same layer (same weights) whose recurrence is fla's fused_recurrent_gla: ms per token,
 eager, each output fed back as the next input (parity.bench.decode's loop), median of
-alternating runs. The two agree on one step from the same state before anything is timed."""
+alternating runs. Each layer at each batch is its own row (parity/gpu/rows.py): ours is
+measured whether or not fla's runs; each output of one step from the same state is
+compared with ours before anything is timed."""
 
 import statistics
 import time
 
-from parity.bench.decode import _generate
+from parity.bench.decode import time_per_token
 from parity.compare import rel_err
 
 from . import fla as fla_mod
+from .rows import failure
+from .standins import failing
+
+OURS = "ours"
 
 
 def _pair(plan, fns):
@@ -69,42 +75,71 @@ def fla_calls(plan):
     return [] if fns is None else [("decode fused_recurrent_gla", _steps(plan, fns, 1))]
 
 
-def run(emit, deadline, *, plan):
-    import torch
+def names(plan) -> list:
+    """The layers this step times, in order: ours, fla's (and the failing stand-in)."""
+    fails = ["stand-in that fails"] if "failing-impl" in plan.faults else []
+    return fails + [OURS, ("stand-in for " if plan.dry else "") + "fla fused_recurrent_gla"]
 
-    fns, why = fla_mod.ops(plan)
-    if fns is None:
-        return {"fla": why}
-    if not plan.dry:
-        fla_mod.no_autotune()
-    ours, ref, dtype = _pair(plan, fns)
-    sync = (lambda _: None) if plan.dry else (lambda _: torch.cuda.synchronize())
-    steps = {"ours": lambda x, s: ours(x, state=s, use_cache=True),
-             "fla": lambda x, s: ref(x, state=s, use_cache=True)}
-    with torch.no_grad():
-        for B in plan.decode_batches:
-            row = dict(batch=B)
+
+def expected(plan) -> list:
+    return [dict(impl=n, batch=B) for B in plan.decode_batches for n in names(plan)]
+
+
+def _timings(plan, steps, x, s, sync, deadline):
+    """{name: ms per token, or the failure} of each step function: one call each (the
+    layers' outputs compared there), two warm-up runs, then runs alternating over the
+    ones that have not failed."""
+    out, times = {}, {n: [] for n in steps}
+    for i in range(2 + plan.decode_runs):
+        for name, step in steps.items():
+            if name in out:
+                continue
             if time.monotonic() > deadline:
-                emit("row", **row, error="not reached before the step's cap")
+                out[name] = {"status": "not_reached", "error": "not reached before the step's cap"}
                 continue
             try:
-                x, s = _start(plan, B, dtype)
-                (o1, s1), (o2, s2) = steps["ours"](x, s), steps["fla"](x, s)
-                row["vs_fla"] = max(rel_err(o1.float().cpu().numpy(), o2.float().cpu().numpy()),
-                                    rel_err(s1.float().cpu().numpy(), s2.float().cpu().numpy()))
-                times = {"ours": [], "fla": []}
-                for i in range(2 + plan.decode_runs):  # two warm-up runs, then alternating
-                    for name, step in steps.items():
-                        sync(None)
-                        t = _generate(step, x, s, plan.decode_steps, sync)
-                        if i >= 2:
-                            times[name].append(t * 1e3)
-                row.update(ours_ms=statistics.median(times["ours"]),
-                           fla_ms=statistics.median(times["fla"]), error=None)
-                emit("row", **row)
+                sync(None)
+                t = time_per_token(step, x, s, plan.decode_steps, sync)
+                if i >= 2:
+                    times[name].append(t * 1e3)
             except Exception as e:
-                emit("row", **row, error=f"{type(e).__name__}: {str(e)[:300]}")
+                out[name] = failure(e)
+    for name, ts in times.items():
+        if name not in out:
+            out[name] = {"status": "ok", "error": None, "ms": statistics.median(ts)}
+    return out
+
+
+def run(emit, deadline, *, plan, configs=None):
+    """Each layer at each batch, guarded; ours whether or not fla's runs (module doc)."""
+    import torch
+
+    fns, why, _ = fla_mod.prepare(plan, configs)
+    ours, ref, dtype = _pair(plan, fns)
+    sync = (lambda _: None) if plan.dry else (lambda _: torch.cuda.synchronize())
+    fla_name = names(plan)[-1]
+    steps = {n: failing for n in names(plan)[:-2]}
+    steps[OURS] = lambda x, s: ours(x, state=s, use_cache=True)
+    if ref is not None:
+        steps[fla_name] = lambda x, s: ref(x, state=s, use_cache=True)
+    with torch.no_grad():
+        for B in plan.decode_batches:
+            x, s = _start(plan, B, dtype)
+            first = {}
+            for name, step in steps.items():  # one step from the same state, compared
+                try:
+                    o, s1 = step(x, s)
+                    first[name] = (o.float().cpu().numpy(), s1.float().cpu().numpy())
+                except Exception:  # the timings below report it
+                    pass
+            got = _timings(plan, steps, x, s, sync, deadline)
+            for name in names(plan):
+                row = dict(impl=name, batch=B, **got.get(name, {"status": "absent",
+                                                                "error": why}))
+                if name != OURS and name in first and OURS in first:
+                    row["vs_ours"] = max(rel_err(a, b) for a, b in zip(first[name], first[OURS]))
+                emit("row", **row)
     hidden, heads = plan.decode_layer
     return {"hidden": hidden, "heads": heads, "steps": plan.decode_steps,
             "runs": plan.decode_runs, "dtype": str(dtype).replace("torch.", ""),
-            "fla": "stand-in: a plain per-step torch loop" if plan.dry else None}
+            "fla": "stand-in: a plain per-step torch loop" if plan.dry else why}

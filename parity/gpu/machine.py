@@ -1,4 +1,4 @@
-"""Step 1: the machine. Device, driver, CUDA, the versions of everything measured, and
+"""Step "machine". Device, driver, CUDA, the versions of everything measured, and
 the device's own ceilings (bf16 matmul rate, copy bandwidth), measured the way every
 later figure is (`parity.bench.gpu.bench`)."""
 

@@ -1,20 +1,27 @@
 """The kit's JSON (`gpu.json`) read back: its schema, BENCHMARKS.md's GPU section, the
 short table printed last, and the section's place in BENCHMARKS.md and results.json.
 
-Schema "gla-bridge/gpu-kit/1": {schema, kit (full | quick | dry-run), command, date,
+Schema "gla-bridge/gpu-kit/2": {schema, kit (full | quick | dry-run), command, date,
 commit, budget_s, wall_s, stand_ins [str], steps [{name, status (ok | error | timed_out
-| skipped), cap_s, estimate_s, wall_s, error, result {}, rows []}]}, the steps in
-plan.STEPS order. Rows carry a "kind" ("test", "row", "launch", "agree", "call")."""
+| skipped), cap_s, estimate_s, wall_s, error, result {}, rows []}], kernels, sweep}, the
+steps in plan.STEPS order; "kernels" and "sweep" repeat those steps' {status, result,
+rows}. Rows carry a "kind" ("test", "row", "launch", "agree", "call", "profile",
+"kernel", "candidate"); measured ones a status (parity/gpu/rows.py)."""
 
 import json
 
 from .. import sections
+from . import render_kernels
 from .plan import STEPS
+from .rows import STATUSES as ROW_STATUSES
 
-SCHEMA = "gla-bridge/gpu-kit/1"
+SCHEMA = "gla-bridge/gpu-kit/2"
+SECTIONS = ("kernels", "sweep")
+MEASURED = ("row", "launch", "call", "profile", "candidate")
 STATUSES = ("ok", "error", "timed_out", "skipped")
 TOP = {"schema": str, "kit": str, "command": str, "date": str, "commit": str,
-       "budget_s": (int, float), "wall_s": (int, float), "stand_ins": list, "steps": list}
+       "budget_s": (int, float), "wall_s": (int, float), "stand_ins": list, "steps": list,
+       "kernels": dict, "sweep": dict}
 STEP = {"name": str, "status": str, "cap_s": (int, float), "estimate_s": (int, float),
         "wall_s": (int, float), "result": dict, "rows": list}
 
@@ -39,6 +46,11 @@ def validate(result) -> None:
             bad.append(f"steps[{s.get('name')}].status: {s.get('status')!r}")
         if s.get("status") != "ok" and not s.get("error"):
             bad.append(f"steps[{s.get('name')}]: status {s.get('status')} without an error")
+        for r in s.get("rows") or ():
+            if r.get("kind") in MEASURED and r.get("status") not in ROW_STATUSES:
+                bad.append(f"steps[{s.get('name')}]: a {r.get('kind')} row with status "
+                           f"{r.get('status')!r}")
+                break
     if bad:
         raise ValueError("gpu kit JSON: " + "; ".join(bad))
 
@@ -62,6 +74,13 @@ def _ms(x):
     return "-" if x is None else f"{x:.3f}" if x < 10 else f"{x:.2f}"
 
 
+def _cell(row):
+    """A row's milliseconds, or its status where it has none."""
+    if not row:
+        return "-"
+    return _ms(row.get("ms")) if row.get("status", "ok") == "ok" else row["status"]
+
+
 def _ratio(a, b):
     return "-" if not a or not b else f"{a / b:.2f}x"
 
@@ -77,10 +96,13 @@ def summary(step) -> str:
         c = r.get("counts")
         if c:
             return f"{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"
-    if name in ("speed", "varlen", "decode"):
-        got = [x for x in rows if x.get("kind") in ("row", "launch")]
-        timed = sum(1 for x in got if x.get("ms") is not None or x.get("ours_ms") is not None)
-        return f"{timed} of {len(got)} timings"
+    if name in ("speed", "varlen", "decode", "kernels", "sweep"):
+        got = [x for x in rows if x.get("kind") in MEASURED]
+        by = {st: sum(x.get("status") == st for x in got) for st in ROW_STATUSES}
+        return f"{by['ok']} of {len(got)} rows ok" + "".join(
+            f", {n} {st}" for st, n in by.items() if n and st != "ok")
+    if name == "tune":
+        return render_kernels.tune_line(r)
     return ""
 
 
@@ -92,6 +114,7 @@ def _speed_tables(result):
     Ts = sorted({r["T"] for r in rows})
     for mode, title in (("fwd", "Forward"), ("fwdbwd", "Forward + backward")):
         by = {(r["impl"], r["T"]): r for r in rows if r.get("mode") == mode}
+        ok = {k: r for k, r in by.items() if r.get("status", "ok") == "ok"}
         impls = list(dict.fromkeys(r["impl"] for r in rows if r.get("launch") in ("torch", "jax")))
         chunk = [i for i in impls if "chunk" in i]
         fused = [i for i in impls if "fused" in i]
@@ -101,18 +124,19 @@ def _speed_tables(result):
                 "| T | " + " | ".join(cols) + " | chunk: fla / ours | fused: fla / ours |",
                 "|---|" + "---|" * (len(cols) + 2)]
         for T in Ts:
-            cell = lambda i: by.get((i, T), {}).get("ms")  # noqa: E731
+            cell = lambda i: ok.get((i, T), {}).get("ms")  # noqa: E731
             ours_c = cell(next((i for i in chunk if i.startswith("ours") and "torch" in i), ""))
             fla_c = cell(next((i for i in chunk if "fla" in i), ""))
             ours_f = cell(next((i for i in fused if i.startswith("ours") and "torch" in i), ""))
             fla_f = cell(next((i for i in fused if "fla" in i), ""))
-            out.append(f"| {T} | " + " | ".join(_ms(cell(i)) for i in cols)
+            out.append(f"| {T} | " + " | ".join(_cell(by.get((i, T))) for i in cols)
                        + f" | {_ratio(fla_c, ours_c)} | {_ratio(fla_f, ours_f)} |")
         out.append("")
-    errors = [r for r in rows if r.get("error")]
+    errors = [r for r in rows if r.get("status", "ok") != "ok"]
     if errors:
-        out += ["Not timed:", ""]
-        out += [f"- {r['impl']}, T={r['T']}, {r.get('mode')}: {r['error']}" for r in errors]
+        out += ["Not timed (each on its own row; the others measured):", ""]
+        out += [f"- {r['impl']}, T={r['T']}, {r.get('mode')}: {r['status']}: {r['error']}"
+                for r in errors]
         out.append("")
     mem = {(r["T"], r["mode"], r["impl"]): r.get("peak_bytes") if r.get("peak_bytes") is not None
            else r.get("xla_bytes") for r in rows if r.get("launch") in ("torch", "jax")}
@@ -157,7 +181,7 @@ def _speed_tables(result):
                 "| family | stage | kernel | grid | ms | bound ms | ms / bound |",
                 "|---|---|---|---|---|---|---|"]
         for r in launches:
-            if r.get("error"):
+            if r.get("status", "ok") != "ok":
                 out.append(f"| {r['family']} | - | error: {r['error']} | - | - | - | - |")
                 continue
             out.append(f"| {r['family']} | {r['stage']} | {r['kernel']} | {tuple(r['grid'])} | "
@@ -181,10 +205,10 @@ def _varlen_table(result):
     for impl in dict.fromkeys(x["impl"] for x in rows):
         f = next((x for x in rows if x["impl"] == impl and x["mode"] == "fwd"), {})
         b = next((x for x in rows if x["impl"] == impl and x["mode"] == "fwdbwd"), {})
-        sync = lambda x: ("error: " + x["error"] if x.get("error") else  # noqa: E731
+        sync = lambda x: (f"{x['status']}: {x['error']}" if x.get("error") else  # noqa: E731
                           "none" if x.get("host_sync") is None else x["host_sync"])
         diff = f.get("vs_ours")
-        out.append(f"| {impl} | {_ms(f.get('ms'))} | {_ms(b.get('ms'))} | {sync(f)} | {sync(b)} | "
+        out.append(f"| {impl} | {_cell(f)} | {_cell(b)} | {sync(f)} | {sync(b)} | "
                    f"{'-' if diff is None else f'{diff:.1e}'} |")
     if "stand_in_host_sync" in r:
         out += ["", "Stand-in for the host-sync check (dry run): the contract's offsets check "
@@ -198,36 +222,61 @@ def _decode_table(result):
     rows, r = _rows(result, "decode"), st["result"]
     if not rows:
         return ["not measured in this run."]
+    impls = list(dict.fromkeys(x["impl"] for x in rows))
     out = [f"GLA layer, hidden {r.get('hidden')}, {r.get('heads')} heads, {r.get('dtype')}, one "
            f"token a step with its state, {r.get('steps')} steps a run, median of "
            f"{r.get('runs')} alternating runs after two warm-ups; fla: the same layer and "
            "weights with fla's fused_recurrent_gla as its recurrence"
            + (f" ({r['fla']})" if r.get("fla") else "") + ".", "",
-           "| batch | ours ms/token | fla ms/token | fla / ours | rel. diff (one step) |",
-           "|---|---|---|---|---|"]
-    for x in rows:
-        if x.get("error"):
-            out.append(f"| {x['batch']} | error: {x['error']} | - | - | - |")
-            continue
-        out.append(f"| {x['batch']} | {_ms(x['ours_ms'])} | {_ms(x['fla_ms'])} | "
-                   f"{_ratio(x['fla_ms'], x['ours_ms'])} | {x['vs_fla']:.1e} |")
+           "| batch | " + " | ".join(f"{n} ms/token" for n in impls)
+           + " | fla / ours | rel. diff to ours (one step) |",
+           "|---|" + "---|" * (len(impls) + 2)]
+    for B, by in _decode_by_batch(rows).items():
+        ours, fla = by.get("ours", {}), next((x for n, x in by.items() if "fla" in n), {})
+        ms = lambda x: x.get("ms") if x.get("status") == "ok" else None  # noqa: E731
+        diff = fla.get("vs_ours")
+        out.append(f"| {B} | " + " | ".join(_cell(by.get(n)) for n in impls)
+                   + f" | {_ratio(ms(fla), ms(ours))} | "
+                   + f"{'-' if diff is None else f'{diff:.1e}'} |")
+    errors = [x for x in rows if x.get("status") != "ok"]
+    if errors:
+        out += ["", "Not timed (each on its own row; the others measured):", ""]
+        out += [f"- {x['impl']}, batch {x['batch']}: {x['status']}: {x['error']}"
+                for x in errors]
     return out + [""]
 
 
+def _decode_by_batch(rows):
+    by = {}
+    for x in rows:
+        by.setdefault(x["batch"], {})[x["impl"]] = x
+    return by
+
+
+TARGET_RATIO = 1.2  # issue 41: fla's time over ours, forward and forward+backward
+
+
 def targets(result) -> list:
-    """(target, 'met' | 'NOT met' | 'not measured', figure) per issue-30/31 target."""
+    """(target, 'met' | 'NOT met' | 'not measured', figure) per target (issues 30, 31, 41)."""
     out = []
-    rows = _rows(result, "speed")
+    rows = [r for r in _rows(result, "speed") if r.get("status", "ok") == "ok"]
     for mode in ("fwd", "fwdbwd"):
-        for T in sorted({r["T"] for r in rows}):
-            get = lambda pred: next((r.get("ms") for r in rows if r["T"] == T  # noqa: E731
-                                     and r.get("mode") == mode and pred(r["impl"])), None)
+        for T in sorted({r["T"] for r in _rows(result, "speed")}):
+            get = lambda pred, key="ms": next(  # noqa: E731
+                (r.get(key) for r in rows if r["T"] == T and r.get("mode") == mode
+                 and pred(r["impl"])), None)
             ours = get(lambda i: i == "ours chunk (torch)")
             fla = get(lambda i: i.endswith("chunk_gla"))
-            name = f"ours chunk {mode} at least as fast as fla chunk_gla, T={T}"
+            name = f"fla chunk_gla / ours chunk >= {TARGET_RATIO}, {mode}, T={T}"
             out.append((name, "not measured" if not ours or not fla else
-                        "met" if ours <= fla else "NOT met",
-                        f"{_ms(ours)} vs {_ms(fla)} ms"))
+                        "met" if fla >= TARGET_RATIO * ours else "NOT met",
+                        f"{_ratio(fla, ours)} ({_ms(ours)} vs {_ms(fla)} ms)"))
+            ours_b = get(lambda i: i == "ours chunk (torch)", "peak_bytes")
+            fla_b = get(lambda i: i.endswith("chunk_gla"), "peak_bytes")
+            if ours_b is not None and fla_b is not None:
+                out.append((f"peak memory of ours chunk at most fla's, {mode}, T={T}",
+                            "met" if ours_b <= fla_b else "NOT met",
+                            f"{ours_b / 2 ** 20:.0f} vs {fla_b / 2 ** 20:.0f} MiB"))
     for r in rows:
         if r.get("launch") != "jax":
             continue
@@ -245,16 +294,18 @@ def targets(result) -> list:
                     "offsets posing as CUDA)", "met" if read is None else "NOT met",
                     read or "no host read"))
     elif ours:
-        syncs = [r.get("host_sync") for r in ours if not r.get("error")]
+        syncs = [r.get("host_sync") for r in ours if r.get("status", "ok") == "ok"]
         ok = len(syncs) == len(ours) and all(s is None for s in syncs)
         out.append(("varlen: our call makes no host sync", "met" if ok else "NOT met",
                     "; ".join(f"{r['mode']}: {r.get('error') or r.get('host_sync') or 'none'}"
                               for r in ours)))
-    for r in _rows(result, "decode"):
-        if not r.get("error"):
-            out.append((f"decode batch {r['batch']}: ours no slower than fla",
-                        "met" if r["ours_ms"] <= r["fla_ms"] else "NOT met",
-                        f"{_ms(r['ours_ms'])} vs {_ms(r['fla_ms'])} ms/token"))
+    for B, by in _decode_by_batch(_rows(result, "decode")).items():
+        ours = (by.get("ours") or {}).get("ms")
+        fla = next((x.get("ms") for n, x in by.items() if "fla" in n), None)
+        if ours and fla:
+            out.append((f"decode batch {B}: ours no slower than fla",
+                        "met" if ours <= fla else "NOT met",
+                        f"{_ms(ours)} vs {_ms(fla)} ms/token"))
     return out
 
 
@@ -310,11 +361,13 @@ def markdown(result) -> str:
     s = _step(result, "speed")
     B, H, K, V = (s["result"].get(k) for k in ("B", "H", "K", "V"))
     out += [f"### Speed, (B,H,K,V) = ({B},{H},{K},{V}), GLA key gate", ""]
-    if s["result"].get("ahead"):
-        out += [f"Compiled and tuned ahead (parity/gpu/ahead.py): {s['result']['ahead']}.", ""]
+    tune = _step(result, "tune")
+    out += [f"fla's autotuning (tune step, parity/gpu/ahead.py): "
+            f"{render_kernels.tune_line(tune['result']) or tune.get('error') or 'not run'}.", ""]
     out += _speed_tables(result)
     out += ["### Packed variable-length sequences", ""] + _varlen_table(result)
     out += ["### Decoding", ""] + _decode_table(result)
+    out += render_kernels.markdown(result, _step)
     out += ["### Targets", ""]
     if result["kit"] == "dry-run":
         out += ["(Stand-ins: these statuses say nothing about a GPU.)", ""]

@@ -1,11 +1,14 @@
-"""Step 3: speed. Our chunked and fused-recurrent kernels, launched from torch and from
+"""Step "speed". Our chunked and fused-recurrent kernels, launched from torch and from
 JAX, against fla's chunk_gla and fused_recurrent_gla: forward and forward+backward,
 (B,T,H,K,V) = (8,T,16,128,128) for each T of the plan, bf16, GLA's key gate.
 
-Two children, one after the other (never two timings at once):
-- `torch_child`: ours (torch launch) and fla, `bench` medians (CUDA events, L2 flushed,
-  inputs rotated over sets larger than the L2 together), peak device memory of one call,
-  each output against ours chunked; then per-launch times beside their lower bounds.
+Three children, one after the other (never two timings at once), so that neither
+fla's failure nor ours takes the other's rows (parity/gpu/rows.py):
+- `ours_child`: ours (torch launch), `bench` medians (CUDA events, L2 flushed, inputs
+  rotated over sets larger than the L2 together), peak device memory of one call, each
+  output against ours chunked; then per-launch times beside their lower bounds.
+- `fla_child`: fla's chunk_gla and fused_recurrent_gla the same way, with the
+  autotuner winners the tune step wrote (parity/gpu/fla.py), never tuning.
 - `jax_child`: ours from JAX (`jax.jit`) and, in the same process and timed the same way,
   ours from torch: JAX runs on its own CUDA stream, so each timed call starts and ends
   with a device synchronization, for both launches alike (the JAX/torch ratio compares
@@ -22,9 +25,29 @@ from parity.bench import gpu
 from parity.compare import rel_err
 
 from . import fla as fla_mod
+from .plan import FAMILIES
+from .rows import failure, guarded
+from .standins import failing
 
-FAMILIES = ("chunk", "fused_recurrent")
+FAILING = "stand-in that fails"
 FLA_NAMES = {"chunk": "chunk_gla", "fused_recurrent": "fused_recurrent_gla"}
+
+
+def impls(plan, part):
+    """[(name, family)] the `part` ("ours", "fla" or "jax") child times, in order."""
+    if part == "ours":
+        fails = [(FAILING, "chunk")] if "failing-impl" in plan.faults else []
+        return fails + [(f"ours {f} (torch)", f) for f in FAMILIES]
+    if part == "fla":
+        return [(fla_name(plan, f), f) for f in FLA_NAMES]
+    return [(f"ours {f} ({launch})", f) for f in plan.jax_families
+            for launch in ("jax", "torch, synced")]
+
+
+def expected(plan, part) -> list:
+    """The rows the `part` child must write: one per implementation, T and mode."""
+    return [dict(impl=name, family=f, T=size[1], mode=mode) for size in sizes(plan)
+            for name, f in impls(plan, part) for mode in ("fwd", "fwdbwd")]
 
 
 def sizes(plan):
@@ -98,7 +121,7 @@ def fla_calls(plan):
         return []
     out = []
     for size in sorted(sizes(plan), key=lambda s: s[1] != plan.fla_T):
-        for family in FAMILIES:
+        for family in FLA_NAMES:
             def thunk(size=size, family=family):
                 q, k, v, g, do = _leaves(size, plan.device, 0)
                 for mode in ("fwd", "fwdbwd"):
@@ -149,64 +172,85 @@ def _jax_ops(family):
 
 
 def _measure(emit, plan, deadline, row, call, size, mode, peak=True):
-    """Time (and size) one call into a row; a failure or a passed deadline is the row's error."""
-    if _late(deadline):
-        emit("row", **row, ms=None, error="not reached before the step's cap")
-        return
-    try:
+    """Time (and size) one call into a row, guarded (parity/gpu/rows.py)."""
+    def measure():
         ms = gpu.bench(call, plan.device, plan.warmup_ms, plan.rep_ms, plan.host_calls)
-        mem = gpu.peak_bytes(call, plan.device) if peak else None
         tf, gb = gpu.rates(size, mode, ms)
-        emit("row", **row, ms=ms, peak_bytes=mem, tflops=tf, gbps=gb, error=None)
-    except Exception as e:
-        emit("row", **row, ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
+        return dict(ms=ms, peak_bytes=gpu.peak_bytes(call, plan.device) if peak else None,
+                    tflops=tf, gbps=gb)
+    guarded(emit, "row", row, deadline, measure)
 
 
-def torch_child(emit, deadline, *, plan, tf_peak, gb_peak):
-    """Ours (torch launch) and fla, then per-launch times (module doc)."""
+def _reference(first, deadline):
+    """Ours chunked forward on one input set (what every output is compared with), or
+    None when it fails."""
     import torch
 
-    fns, why = fla_mod.ops(plan)
-    if not plan.dry:
-        fla_mod.no_autotune()
-    impls = [(f"ours {f} (torch)", f, _ours(f)) for f in FAMILIES]
-    impls += [(fla_name(plan, f), f, why if fns is None else _fla(fns, f)) for f in FAMILIES]
+    if _late(deadline):
+        return None
+    try:
+        with torch.no_grad():
+            return _ours("chunk")(*first[:4]).float().cpu().numpy()
+    except Exception:  # its own row reports the failure
+        return None
+
+
+def _torch_rows(emit, deadline, plan, ops):
+    """Each (implementation, T, mode) of `ops` [(name, family, fn, or why absent)]."""
+    import torch
+
     for size in sizes(plan):
         next_set = gpu.rotating(lambda i: _leaves(size, plan.device, i), _set_bytes(size),
                                 _l2(plan))
-        first = next_set()  # each impl's forward on one set, against ours chunked
-        with torch.no_grad():
-            want = _ours("chunk")(*first[:4]).float().cpu().numpy()
-        for name, family, op in impls:
+        first = next_set()
+        want = _reference(first, deadline)
+        for name, family, op in ops:
             row = dict(impl=name, launch="torch", family=family, T=size[1])
+            if isinstance(op, str):
+                for mode in ("fwd", "fwdbwd"):
+                    emit("row", **row, mode=mode, ms=None, status="absent", error=op)
+                continue
             agree = None
-            if not isinstance(op, str) and not _late(deadline):
+            if want is not None and not _late(deadline):
                 try:
                     with torch.no_grad():
                         agree = rel_err(op(*first[:4]).float().cpu().numpy(), want)
                 except Exception:  # the timed call below reports it
                     pass
             for mode in ("fwd", "fwdbwd"):
-                if isinstance(op, str):
-                    emit("row", **row, mode=mode, ms=None, error=op)
-                    continue
                 _measure(emit, plan, deadline, dict(row, mode=mode, vs_ours_chunk=agree),
                          _torch_fn(op, next_set, mode), size, mode)
         del next_set, first
         if not plan.dry:
             torch.cuda.empty_cache()
+
+
+def ours_child(emit, deadline, *, plan, tf_peak, gb_peak):
+    """Ours (torch launch), then per-launch times (module doc)."""
+    ops = [(n, f, failing if n == FAILING else _ours(f)) for n, f in impls(plan, "ours")]
+    _torch_rows(emit, deadline, plan, ops)
     launch_size = (plan.B, plan.launch_T, plan.H, plan.K, plan.V)
     for family in plan.launch_families:
         if _late(deadline):
-            emit("launch", family=family, error="not reached before the step's cap")
+            emit("launch", family=family, status="not_reached",
+                 error="not reached before the step's cap")
             continue
         try:
             for r in gpu.launch_times(family, launch_size, tf_peak, gb_peak, plan.device,
                                       rep_ms=max(plan.rep_ms // 5, 1)):
-                emit("launch", family=family, T=plan.launch_T, **r)
+                emit("launch", family=family, T=plan.launch_T, status="ok", error=None, **r)
         except Exception as e:
-            emit("launch", family=family, error=f"{type(e).__name__}: {str(e)[:300]}")
-    return {"impls": [i[0] for i in impls], "fla": why}
+            emit("launch", family=family, status="error",
+                 error=f"{type(e).__name__}: {str(e)[:300]}")
+    return {"impls": [n for n, _ in impls(plan, "ours")]}
+
+
+def fla_child(emit, deadline, *, plan, configs):
+    """fla's two ops, with the tune step's winners, never tuning (module doc)."""
+    fns, why, loaded = fla_mod.prepare(plan, configs)
+    ops = [(n, f, why if fns is None else _fla(fns, f)) for n, f in impls(plan, "fla")]
+    _torch_rows(emit, deadline, plan, ops)
+    return {"impls": [n for n, _ in impls(plan, "fla")], "fla": why, "winners_loaded": loaded}
 
 
 def jax_child(emit, deadline, *, plan):
@@ -233,10 +277,14 @@ def jax_child(emit, deadline, *, plan):
                 ins = (lambda: next_jax()[:4]) if mode == "fwd" else next_jax
                 row = dict(impl=f"ours {family} (jax)", launch="jax", family=family, T=size[1],
                            mode=mode, xla_bytes=None)
+                synced = dict(impl=f"ours {family} (torch, synced)", launch="torch-synced",
+                              family=family, T=size[1], mode=mode)
                 try:  # compiled once, ahead of time: what is timed, and its memory plan
                     compiled[mode] = jitted.lower(*ins()).compile()
                 except Exception as e:
-                    emit("row", **row, ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
+                    emit("row", **row, ms=None, **failure(e))
+                    emit("row", **synced, ms=None, status="not_reached",
+                         error="its JAX twin did not compile")
                     continue
                 try:
                     mem = compiled[mode].memory_analysis()
@@ -249,9 +297,7 @@ def jax_child(emit, deadline, *, plan):
                     sync()
                     return jax.block_until_ready(run(*args))
                 _measure(emit, plan, deadline, row, call, size, mode, peak=False)
-                _measure(emit, plan, deadline,
-                         dict(impl=f"ours {family} (torch, synced)", launch="torch-synced",
-                              family=family, T=size[1], mode=mode),
+                _measure(emit, plan, deadline, synced,
                          _torch_fn(_ours(family), torch_sets, mode, sync=not plan.dry),
                          size, mode, peak=False)
             if "fwd" in compiled and not _late(deadline):  # one kernel, two launchers

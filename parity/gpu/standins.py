@@ -10,10 +10,55 @@ Each stand-in is named in the kit's output as a stand-in, never as a measurement
 - `JaxOnGpu`: offsets posing as a concrete JAX array on a GPU, whose values cannot be
   read at all.
 - `FLA_STANDINS`: fla's `chunk_gla` / `fused_recurrent_gla` replaced by independent
-  CPU code of the same signature (fla-core runs on CUDA only).
+  CPU code of the same signature (fla-core runs on CUDA only). Each also runs a tiny
+  Triton kernel under `triton.autotune` (keyed on its output's size, timed by the host
+  clock), so the kit's flow around fla's autotuner (tune once, write the winners, load
+  them, refuse to tune in a timed process) runs in the dry run too.
+- `failing`: an implementation that raises at every call (the dry run's proof that a
+  failure stays on its own rows).
 """
 
+import time
+
 import numpy as np
+import triton
+import triton.language as tl
+
+STANDIN_MODULE = __name__
+
+
+def _host_bench(fn, quantiles=None, **_):
+    t0 = time.perf_counter()
+    fn()
+    ms = (time.perf_counter() - t0) * 1e3
+    return [ms, ms, ms]
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK": b}) for b in (64, 256)], key=["n"],
+                 do_bench=_host_bench)
+@triton.jit
+def standin_tuned_copy(x, y, n, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y + o, tl.load(x + o, mask=o < n), mask=o < n)
+
+
+def _autotuned_touch(out):
+    """Copy `out` through the autotuned stand-in kernel (the copy is dropped)."""
+    import torch
+
+    x = out.detach().reshape(-1).float().contiguous()
+    y = torch.empty_like(x)
+    standin_tuned_copy[lambda m: (triton.cdiv(x.numel(), m["BLOCK"]),)](x, y, x.numel())
+
+
+class StandInFailure(RuntimeError):
+    """The failure of the stand-in implementation that fails."""
+
+
+def failing(*args, **kwargs):
+    """An implementation that fails at every call (module doc)."""
+    raise StandInFailure("stand-in implementation that always fails (the dry run's proof "
+                         "that a failure stays on its own rows)")
 
 
 class HostRead(AssertionError):
@@ -91,8 +136,10 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
     'torch'), an algorithm independent of the Triton kernels."""
     import torch_side
 
-    return torch_side.recurrent_gla(q, k, v, g, softmax_scale=scale, initial_state=initial_state,
-                                    cu_seqlens=cu_seqlens, platform="torch")
+    out = torch_side.recurrent_gla(q, k, v, g, softmax_scale=scale, initial_state=initial_state,
+                                   cu_seqlens=cu_seqlens, platform="torch")
+    _autotuned_touch(out[0])
+    return out
 
 
 def fused_recurrent_gla(q, k, v, gk=None, scale=None, initial_state=None,
@@ -104,7 +151,9 @@ def fused_recurrent_gla(q, k, v, gk=None, scale=None, initial_state=None,
     K = q.shape[-1]
     if scale is not None:
         q = q * (scale * K ** 0.5)  # plain_torch applies K^-1/2 itself
-    return plain_torch(q, k, v, g=gk, initial_state=initial_state)
+    out = plain_torch(q, k, v, g=gk, initial_state=initial_state)
+    _autotuned_touch(out[0])
+    return out
 
 
 FLA_STANDINS = {"chunk_gla": chunk_gla, "fused_recurrent_gla": fused_recurrent_gla}

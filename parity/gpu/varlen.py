@@ -1,4 +1,4 @@
-"""Step 4: packed variable-length sequences. 64 sequences of mixed lengths (log-uniform
+"""Step "varlen": packed variable-length sequences. 64 sequences of mixed lengths (log-uniform
 in 16..4096, both ends present, fixed seed), H=16, K=V=128, bf16, offsets on the device:
 ours chunked (torch launch) against fla's chunk_gla (given its host copy of the offsets,
 `cu_seqlens_cpu`, its sync-free path), forward and forward+backward, and whether each
@@ -12,6 +12,10 @@ from parity.bench import gpu
 from parity.compare import rel_err
 
 from . import fla as fla_mod
+from .rows import guarded
+from .standins import failing
+
+OURS = "ours chunk (torch)"
 
 
 def workload(plan):
@@ -32,15 +36,30 @@ def workload(plan):
     return lens.tolist(), ins, cu.to(plan.device, torch.int32), cu
 
 
-def _ops(plan, fns, cu, cu_host):
+def names(plan) -> list:
+    """The implementations this step times, in order."""
+    fla = ("stand-in for " if plan.dry else "") + "fla chunk_gla"
+    fails = ["stand-in that fails"] if "failing-impl" in plan.faults else []
+    return fails + [OURS, fla, fla + " without cu_seqlens_cpu"]
+
+
+def expected(plan) -> list:
+    return [dict(impl=n, mode=m) for n in names(plan) for m in ("fwd", "fwdbwd")]
+
+
+def _ops(plan, fns, cu, cu_host, why=None):
+    """{name: fn, or why it is absent} in `names` order."""
     import torch_side
 
     ours = lambda q, k, v, g: torch_side.recurrent_gla(  # noqa: E731
         q, k, v, g, cu_seqlens=cu, platform="triton", mode="chunk")[0]
-    out = {"ours chunk (torch)": ours}
-    if fns is not None:
+    *fails, _, name, _ = names(plan)
+    out = {n: failing for n in fails}
+    out[OURS] = ours
+    if fns is None:
+        out[name] = out[name + " without cu_seqlens_cpu"] = why
+    else:
         fla = fns["chunk_gla"]
-        name = ("stand-in for " if plan.dry else "") + "fla chunk_gla"
         out[name] = lambda q, k, v, g: fla(q, k, v, g, cu_seqlens=cu.long(), cu_seqlens_cpu=cu_host,
                                            output_final_state=True)[0]
         out[name + " without cu_seqlens_cpu"] = lambda q, k, v, g: fla(
@@ -62,7 +81,7 @@ def ours_calls(plan):
     def thunk():
         _, ins, cu, cu_host = workload(plan)
         for mode in ("fwd", "fwdbwd"):
-            _call(_ops(plan, None, cu, cu_host)["ours chunk (torch)"], ins, mode)
+            _call(_ops(plan, None, cu, cu_host)[OURS], ins, mode)
     return [("varlen ours chunk", thunk)]
 
 
@@ -74,7 +93,7 @@ def fla_calls(plan):
     def thunk():
         _, ins, cu, cu_host = workload(plan)
         for name, op in _ops(plan, fns, cu, cu_host).items():
-            if not name.startswith("ours"):
+            if "fla" in name:
                 for mode in ("fwd", "fwdbwd"):
                     _call(op, ins, mode)
     return [("varlen chunk_gla", thunk)]
@@ -101,32 +120,33 @@ def host_sync(plan, call):
         torch.cuda.set_sync_debug_mode(0)
 
 
-def run(emit, deadline, *, plan):
-    import time
-
-    fns, why = fla_mod.ops(plan)
-    if not plan.dry:
-        fla_mod.no_autotune()
+def run(emit, deadline, *, plan, configs=None):
+    """Each implementation and mode, guarded (parity/gpu/rows.py)."""
+    fns, why, _ = fla_mod.prepare(plan, configs)
     lens, ins, cu, cu_host = workload(plan)
     total = int(cu_host[-1])
-    ops = _ops(plan, fns, cu, cu_host)
-    want = _call(ops["ours chunk (torch)"], ins, "fwd").float().cpu().numpy()
+    ops = _ops(plan, fns, cu, cu_host, why)
+    try:
+        want = _call(ops[OURS], ins, "fwd").float().cpu().numpy()
+    except Exception:  # ours' own rows report it
+        want = None
     for name, op in ops.items():
         for mode in ("fwd", "fwdbwd"):
             row = dict(impl=name, mode=mode, tokens=total)
-            if time.monotonic() > deadline:
-                emit("row", **row, error="not reached before the step's cap")
+            if isinstance(op, str):
+                emit("row", **row, status="absent", error=op)
                 continue
-            try:
-                if mode == "fwd":
-                    row["vs_ours"] = rel_err(_call(op, ins, "fwd").float().cpu().numpy(), want)
-                row["host_sync"] = host_sync(plan, lambda: _call(op, ins, mode))
-                row["ms"] = gpu.bench(lambda: _call(op, ins, mode), plan.device, plan.warmup_ms,
+
+            def measure(op=op, mode=mode):
+                got = {}
+                if mode == "fwd" and want is not None:
+                    got["vs_ours"] = rel_err(_call(op, ins, "fwd").float().cpu().numpy(), want)
+                got["host_sync"] = host_sync(plan, lambda: _call(op, ins, mode))
+                got["ms"] = gpu.bench(lambda: _call(op, ins, mode), plan.device, plan.warmup_ms,
                                       plan.rep_ms, plan.host_calls)
-                row["peak_bytes"] = gpu.peak_bytes(lambda: _call(op, ins, mode), plan.device)
-                emit("row", **row, error=None)
-            except Exception as e:
-                emit("row", **row, error=f"{type(e).__name__}: {str(e)[:300]}")
+                got["peak_bytes"] = gpu.peak_bytes(lambda: _call(op, ins, mode), plan.device)
+                return got
+            guarded(emit, "row", row, deadline, measure)
     result = {"seqlens": lens, "tokens": total, "heads": list(plan.varlen_heads), "fla": why}
     if plan.dry:  # the stand-in for the sync check: the offsets check, posing as CUDA
         from bridge import contract
