@@ -269,7 +269,7 @@ def test_gpu_section_kept_on_a_machine_without_one(tmp_path):
     if gpu.unavailable() is None:
         pytest.skip("this machine has a CUDA device: the section would be measured")
     args = parse(["--quick", "--out", str(tmp_path)])
-    assert gpu_markdown(args, print).startswith("not measured: no GPU lent")
+    assert gpu_markdown(args, print).startswith("not measured: no GPU on this machine")
     (tmp_path / "results.json").write_text(json.dumps({"gpu": "Measured on an H100: 4.17 ms"}))
     assert gpu_markdown(args, print) == "Measured on an H100: 4.17 ms"
     with pytest.raises(SystemExit, match="no CUDA device"):

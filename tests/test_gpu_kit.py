@@ -80,13 +80,14 @@ def test_speed_times_every_implementation_and_they_agree(clean):
     by = _steps(clean[1])
     rows = _rows(by["speed"])
     timed = {(r["impl"], r["mode"]) for r in rows if r["status"] == "ok" and r["ms"] > 0}
-    impls = ["ours chunk (torch)", "ours fused_recurrent (torch)", "stand-in for fla chunk_gla",
+    impls = ["ours chunk (torch)", "ours fused_recurrent (torch)", "ours fused_chunk (torch)",
+             "stand-in for fla chunk_gla",
              "stand-in for fla fused_recurrent_gla", "ours fused_recurrent (jax)",
              "ours fused_recurrent (torch, synced)"]
     assert timed == {(i, m) for i in impls for m in ("fwd", "fwdbwd")}
     # ours chunked against each other implementation (fla's stand-ins: independent code)
     agree = [r["vs_ours_chunk"] for r in rows if r.get("vs_ours_chunk") is not None]
-    assert len(agree) == 8 and max(agree) < 1e-5, agree
+    assert len(agree) == 10 and max(agree) < 1e-5, agree
     # the implementation that fails, first in its child: its rows only
     failed = [r for r in rows if r["status"] != "ok"]
     assert {(r["impl"], r["status"]) for r in failed} == {("stand-in that fails", "error")}
@@ -147,7 +148,7 @@ def test_kernels_section_pairs_device_times_with_the_model(clean):
     assert all(r["us"] > 0 and r["model_dynamic"] > 0 and r["model_regs"] for r in fam)
     status = {r["impl"]: r["status"] for r in k["rows"] if r["kind"] == "profile"}
     assert status == {"ours chunk (torch)": "ok", "ours fused_recurrent (torch)": "ok",
-                      "stand-in for fla chunk_gla": "absent"}
+                      "ours fused_chunk (torch)": "ok", "stand-in for fla chunk_gla": "absent"}
     for impl in ("ours chunk (torch)", "ours fused_recurrent (torch)"):
         mine = [r for r in rows if r["impl"] == impl]
         rho = k["result"]["rank_correlation"][impl]

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 STEPS = ("machine", "correctness", "tune", "speed", "varlen", "decode", "kernels", "sweep")
 # the Triton families the speed, kernels and sweep steps cover (a new one: add its mode)
-FAMILIES = ("chunk", "fused_recurrent")
+FAMILIES = ("chunk", "fused_recurrent", "fused_chunk")
 
 
 @dataclass(frozen=True)
