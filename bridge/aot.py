@@ -111,11 +111,13 @@ def _tensor_name(kind, value) -> str:
     return value.name if kind == "out" else value
 
 
-def build_source(launch, dtypes: dict, hints: bool = True):
+def build_source(launch, dtypes: dict, hints: bool = True, floats: str = "fp32"):
     """Triton's ASTSource for `launch`, specialised as a real launch is: pointers
     (absent ones get q, as the launchers pass it) 16-byte aligned and integer
     scalars divisible by 16 where they are (`tt.divisibility` 16), an int of 1
-    a constant; floats never specialised. `hints=False` drops the alignment."""
+    a constant; floats never specialised, typed `floats` ("fp32" as Triton's own
+    launcher types a Python float, "fp64" as Inductor types a user kernel's under
+    torch.compile on CUDA). `hints=False` drops the alignment."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
@@ -132,6 +134,7 @@ def build_source(launch, dtypes: dict, hints: bool = True):
         else:
             # the same call JITFunction's binder makes for a scalar argument
             ty, spec = native_specialize_impl(CUDABackend, a, False, True, True)
+            ty = floats if ty == "fp32" else ty
         if ty == "constexpr":
             sig[p], constexprs[p] = "constexpr", spec
             continue
@@ -141,11 +144,11 @@ def build_source(launch, dtypes: dict, hints: bool = True):
     return ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
 
 
-def _compile(launch, dtypes, arch, hints=True):
+def _compile(launch, dtypes, arch, hints=True, floats="fp32"):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    return triton.compile(build_source(launch, dtypes, hints),
+    return triton.compile(build_source(launch, dtypes, hints, floats),
                           target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": launch.num_warps,
                                    "num_stages": launch.num_stages})

@@ -108,7 +108,7 @@ def foreign_platform(platform, platforms, fallback: str, gpu: bool) -> str:
 # sequence (a rank-1 state update a step); the chunked forward is three
 # launches whose only sequential part, the state pass, walks one 64-token chunk
 # (a 64x64 matmul) a step. The constants are estimates (microseconds on an
-# H100-class GPU), not fitted: the one GPU session (BENCHMARKS.md) timed large
+# H100-class GPU), not fitted: the GPU runs (BENCHMARKS.md) timed large
 # batches only, where the chunked forward won at every T >= 512 (1.02 vs 1.27 ms
 # at (8,512,16,128,128) bf16), as these constants predict; short-sequence latency
 # is unmeasured. They put the crossover near 80 tokens a sequence.

@@ -6,6 +6,10 @@ import os
 
 import pytest
 
+# torch and JAX share a GPU in these tests, and pytest-xdist runs several processes on it:
+# JAX must not take 75% of the device in each (its default), or torch runs out of memory.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 if importlib.util.find_spec("triton") and importlib.util.find_spec("torch"):
     import bridge.kernels  # noqa: F401
 

@@ -314,6 +314,42 @@ def test_count_mma_on_a_compiled_dot(tmp_path):
             assert got[f"{dtype}-True-{arch}"] == dict(mma=0, wgmma=0, mma_types=[])
 
 
+_INDUCTOR_FLOATS = '''
+import json
+from bridge import aot
+from bridge.kernels import chunk, fused_recurrent
+
+plan = dict(aot._variants())["all-bfloat16"]
+out = {}
+for stage, launches, dtypes in aot._stages([fused_recurrent, chunk], plan):
+    for launch in launches:
+        ptx = aot._compile(launch, dtypes, 90, floats="fp64").asm["ptx"]
+        out[f"{stage} {launch.kernel.__name__}"] = [
+            line.strip() for line in ptx.splitlines()
+            if ".f64" in line and not line.strip().startswith((".param", "cvt."))]
+print(json.dumps(out))
+'''
+
+
+def test_every_launch_compiles_with_floats_typed_fp64_as_inductor_types_them(tmp_path):
+    """Under torch.compile on CUDA, Inductor types a Triton kernel's Python float
+    arguments fp64 (torch._inductor.codegen.triton_utils.signature_of), where Triton's
+    own launcher types them fp32. Every launch of both families (every gate, both
+    backward lists) builds so, and does no fp64 arithmetic: the float is pinned to fp32
+    on entry (an fp64 `scale` once made the fused backward's loop-carried b_dh fp64,
+    which does not compile)."""
+    (tmp_path / "floats.py").write_text(textwrap.dedent(_INDUCTOR_FLOATS))
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(tmp_path / "floats.py")], env=env,
+                         capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = json.loads(res.stdout.splitlines()[-1])
+    assert {k.split()[1] for k in got} >= {"fused_recurrent_bwd_dkv_kernel",
+                                           "chunk_output_kernel", "chunk_dqk_kernel"}
+    assert all(not f64 for f64 in got.values()), {k: v[:3] for k, v in got.items() if v}
+
+
 # ---------------------------------------------------------------- SASS and trip counts
 
 def _nvdisasm():

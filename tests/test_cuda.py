@@ -28,6 +28,8 @@ from parity import backends, cases  # noqa: E402
 from parity.compare import errors, rel_err, tolerance  # noqa: E402
 
 ORACLE = backends.Oracle()
+# every gate kind (g per head and per key, gk, gv, g_gamma per head and per sequence), both
+# directions, packed sequences (empty and one-token ones among them), several chunks
 CASES = [
     cases.Case("gla-chunks", B=2, T=300, H=4, Hk=2, K=64, V=64, g="key", initial_state=True),
     cases.Case("every-gate-varlen", H=2, Hk=1, K=128, V=96, seqlens=(0, 70, 130, 1),
@@ -35,6 +37,10 @@ CASES = [
                packed=True),
     cases.Case("strong", T=200, H=2, Hk=2, K=32, V=32, g="key", gv=True, gate_scale=10.0,
                gate_grad_floor=0.1),
+    cases.Case("reverse-key-gate", B=2, T=150, H=2, Hk=1, K=64, V=32, g="key", gv=True,
+               reverse=True),
+    cases.Case("varlen-gamma-head", H=4, Hk=4, K=32, V=64, seqlens=(1, 200, 0, 64), gk=True,
+               g_gamma="head", initial_state=True, packed=True),
 ]
 
 

@@ -48,12 +48,19 @@ def test_python_example_runs(block):
     exec(compile(code, _name(block), "exec"), {})
 
 
-def test_ci_runs_the_readme_test_command():
+@pytest.mark.parametrize("step", ["test", "matrix"])
+def test_ci_runs_the_readme_commands(step):
+    """.ci/run runs each README command marked for CI, as the README prints it (its own
+    extraction, run here, gives the README's code block)."""
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "<!-- ci:test -->" in README and "<!-- ci:test -->" in ci
-    after = README.split("<!-- ci:test -->", 1)[1]
+    after = README.split(f"<!-- ci:{step} -->", 1)[1]
     command = re.search(r"```bash\n(.*?)\n```", after, flags=re.S).group(1)
-    assert command.startswith("python3 -m venv") and "pytest" in command
+    assert {"test": "pytest", "matrix": "parity.triton_matrix"}[step] in command
+    block = re.search(r"^block\(\) \{.*?^\}", ci, flags=re.S | re.M).group(0)
+    got = subprocess.run(["bash", "-c", f"{block}\nblock {step}"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert got == command
+    assert re.search(rf"^for step in .*\b{step}\b.*; do$", ci, flags=re.M)
 
 
 @pytest.mark.parametrize("block", TORCHRUN, ids=_name)

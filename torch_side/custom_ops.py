@@ -281,8 +281,7 @@ def _fwd_vmap(info, in_dims, q, k, v, g, gk, gv, g_gamma, initial_state, cu_seql
 
 # ---------------------------------------------------------------- CUDA: triton_op
 # Defined everywhere (on CPU they run eagerly, interpreted: wrap_triton passes interpreted
-# kernels through), used for the decomposition only where Triton compiles for a GPU. The
-# compiled decomposition has not run yet: no GPU has been lent to this project.
+# kernels through), used for the decomposition only where Triton compiles for a GPU.
 @torch.library.triton_op("gla_bridge::triton_fwd", mutates_args=())
 def triton_fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], gk: Optional[Tensor],
                gv: Optional[Tensor], g_gamma: Optional[Tensor],

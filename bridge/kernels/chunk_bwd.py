@@ -370,6 +370,7 @@ def chunk_dqk_kernel(
     with the chunk length. It is the derivative of the chunk's own decay factors
     instead: (t - s) A_ts dA_ts inside the chunk, (p + 1) q.dq and (n - 1 - p) k.dk
     through the states, n dh_end.(h decayed over the chunk): no cancelling terms."""
+    scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     i_s, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (H // HK)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)

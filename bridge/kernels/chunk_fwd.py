@@ -55,6 +55,7 @@ def chunk_gate_kernel(
     e^(sum_{r<=t} a_r) (x = q times scale, or do). a: the key-side decays, or gv
     with VALUE. Also decay [slots, H, D] fp32 = e^(the chunk's sum of a).
     xg is [B,T,H,D] in xg's dtype; x has HX heads."""
+    scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     ND: tl.constexpr = (D + BD - 1) // BD
     pid = tl.program_id(0)
     i_s, i_h, i_d = pid // (H * ND), (pid // ND) % H, pid % ND
@@ -67,10 +68,11 @@ def chunk_gate_kernel(
     mask_d = o_d < D
     row0, pos, mask_t = block_pos(bos, eos, p0, BT, REVERSE)
     if VALUE:
-        DT: tl.constexpr = exact_dtype(gv, gv, 0, True, 0)
+        DT: tl.constexpr = exact_dtype(gv.dtype.element_ty, gv.dtype.element_ty, 0, True, 0)
         a = decay_k_in(DT, gv, gv, 0., row0, pos, mask_t, i_h, o_d, mask_d, H, D, 0, True, 0)
     else:
-        DT: tl.constexpr = exact_dtype(g, gk, G_MODE, USE_GK, GAMMA_MODE)
+        DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE, USE_GK,
+                                       GAMMA_MODE)
         gamma = head_gamma(g_gamma, i_n, i_h, H, GAMMA_MODE)
         a = decay_k_in(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_d, mask_d, H, D, G_MODE,
                        USE_GK, GAMMA_MODE)
@@ -107,6 +109,7 @@ def chunk_state_kernel(
     then multiplies S) and y by gv; a constant decay alone stays in the loop in
     closed form. s_in and s_out [N,H,K,V] fp32; states [slots,H,K,V] in its
     own dtype; x, y with HX, HY heads."""
+    scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     NK: tl.constexpr = (K + BK - 1) // BK
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0)
@@ -122,7 +125,7 @@ def chunk_state_kernel(
     mask_k, mask_v = o_k < K, o_v < V
     mask_h = mask_k[:, None] & mask_v[None, :]
     p_kv = o_k[:, None] * V + o_v[None, :]
-    op: tl.constexpr = op_dtype(x)
+    op: tl.constexpr = op_dtype(x.dtype.element_ty)
 
     b_s = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_S_IN:
@@ -179,6 +182,7 @@ def chunk_intra_kernel(
     Each level is one product P P^T, P = q on odd-segment rows and k on even
     ones, times e^(its side's sum), whose level pairs are kept; log2(BT) levels,
     then the diagonal q_t.k_t."""
+    scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     pid = tl.program_id(0)
     i_s, i_h = pid // H, pid % H
     i_hk = i_h // (H // HK)
@@ -189,10 +193,11 @@ def chunk_intra_kernel(
     gamma = head_gamma(g_gamma, i_n, i_h, H, GAMMA_MODE)
     o_t = tl.arange(0, BT)
     row0, pos, mask_t = block_pos(bos, eos, p0, BT, REVERSE)
-    op: tl.constexpr = op_dtype(q)
+    op: tl.constexpr = op_dtype(q.dtype.element_ty)
     acc = tl.zeros([BT, BT], dtype=tl.float32)
     if KGATE:
-        DT: tl.constexpr = exact_dtype(g, gk, G_MODE, USE_GK, GAMMA_MODE)
+        DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE, USE_GK,
+                                       GAMMA_MODE)
         for lvl in range(0, BT.bit_length() - 1):  # runtime: unrolled, every level's c was
             # built up front (live registers, spills)
             h = (BT // 2) >> lvl
@@ -241,6 +246,7 @@ def chunk_output_kernel(
     o += X (A on the level's pairs) (v X), X = e^(seg_sums of gv); and the
     inter-chunk term is gated by the inclusive sums. PRIME (the backward's gv
     pass): o'_t * do_t in fp32 instead, o' leaving out the step's own token."""
+    scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0)
     i_s, i_h, i_v = pid // (H * NV), (pid // NV) % H, pid % NV
@@ -255,7 +261,7 @@ def chunk_output_kernel(
     mask_v = o_v < V
     row0, pos, mask_t = block_pos(bos, eos, p0, BT, REVERSE)
     p_h = h + (i_s * H + i_h).to(tl.int64) * K * V
-    op: tl.constexpr = op_dtype(q)
+    op: tl.constexpr = op_dtype(q.dtype.element_ty)
 
     acc = tl.zeros([BT, BV], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
@@ -263,7 +269,8 @@ def chunk_output_kernel(
         mask_k = o_k < K
         b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K).to(tl.float32) * scale
         if KGATE:
-            DT: tl.constexpr = exact_dtype(g, gk, G_MODE, USE_GK, GAMMA_MODE)
+            DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE,
+                                           USE_GK, GAMMA_MODE)
             a = decay_k_in(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K, G_MODE,
                            USE_GK, GAMMA_MODE)
             b_q *= exp_(seg_sums(seg_matrix(o_t, 2 * BT, DT), a, DT))
@@ -275,7 +282,7 @@ def chunk_output_kernel(
     if not USE_GV:
         acc = tl.dot(b_a, b_v.to(op), acc, input_precision=DOT_PREC)
     else:
-        DV: tl.constexpr = exact_dtype(gv, gv, 0, True, 0)
+        DV: tl.constexpr = exact_dtype(gv.dtype.element_ty, gv.dtype.element_ty, 0, True, 0)
         b = decay_k_in(DV, gv, gv, 0., row0, pos, mask_t, i_h, o_v, mask_v, H, V, 0, True, 0)
         acc *= exp_(seg_sums(seg_matrix(o_t, 2 * BT, DV), b, DV))
         b_vf = b_v.to(tl.float32)

@@ -249,25 +249,31 @@ def exp_(x):
     return tl.math.exp2(x * LOG2E)
 
 
-@triton.jit
-def op_dtype(x):
-    """The dtype of tl.dot operands made from pointer x's values: its own, but
+# Compile-time values (dtypes, counts, switches derived from constexprs) are written one
+# way in every kernel: an inline constexpr expression bound as `NAME: tl.constexpr = ...`,
+# or a call of a `triton.constexpr_function` on constexprs (element dtypes such as
+# `x.dtype.element_ty`, ints, bools). A `@triton.jit` helper returns tensors only: one that
+# returns a dtype compiles on some Triton versions and not on others.
+# Float scalar arguments (`scale`) are pinned to fp32 on a kernel's first line: Inductor
+# types a user kernel's Python floats fp64 (under torch.compile on CUDA), and an fp64
+# scalar turns the fp32 tiles it touches into fp64 (a loop-carried tile then fails to
+# compile, the others run in fp64).
+
+@triton.constexpr_function
+def op_dtype(dt):
+    """The dtype of tl.dot operands made from values of element dtype dt: its own, but
     float32 for float64 (computed in fp32, per the SPEC)."""
-    res: tl.constexpr = tl.float32 if x.dtype.element_ty == tl.float64 else x.dtype.element_ty
-    return res
+    return tl.float32 if dt == tl.float64 else dt
 
 
-@triton.jit
-def exact_dtype(g, gk, G_MODE: tl.constexpr, USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr):
-    """The 16-bit dtype in which every key-side decay a = g + gk + gamma is exact
-    (one 16-bit gate source, no constant decay), else float32 (a is split)."""
-    if G_MODE > 0:
-        dt: tl.constexpr = g.dtype.element_ty
-    else:
-        dt: tl.constexpr = gk.dtype.element_ty
-    one: tl.constexpr = ((G_MODE > 0) != USE_GK) and (GAMMA_MODE == 0)
-    res: tl.constexpr = dt if one and (dt == tl.bfloat16 or dt == tl.float16) else tl.float32
-    return res
+@triton.constexpr_function
+def exact_dtype(g_dt, gk_dt, G_MODE, USE_GK, GAMMA_MODE):
+    """The 16-bit dtype in which every key-side decay a = g + gk + gamma is exact (one
+    16-bit gate source, no constant decay), else float32 (a is split). g_dt, gk_dt: the
+    element dtypes of g's and gk's pointers (an absent one's is its stand-in's)."""
+    dt = g_dt if G_MODE > 0 else gk_dt
+    one = ((G_MODE > 0) != bool(USE_GK)) and GAMMA_MODE == 0
+    return dt if one and dt in (tl.bfloat16, tl.float16) else tl.float32
 
 
 @triton.jit

@@ -85,6 +85,7 @@ def fused_recurrent_fwd_kernel(
     pass 1): dq' partials [B,T,H,NV,K]; with gv, o'*do [B,T,H,V] in fp32; with
     USE_DHT, the final-state terms sum_j dS_T S~_T [N,H,NV,K] (g or gk) and
     sum_i dS_T S~_T [N,H,V] (gv); with g_gamma, its gradient [N,H,NV]."""
+    scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     i_v, i_nh = _program(NV)
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HK)
@@ -192,6 +193,7 @@ def fused_recurrent_bwd_dkv_kernel(
 ):
     """Backward pass 2: walk dS from the last step taken to the first.
     dk' partials [B,T,H,NV,K], dv' per query head [B,T,H,V], dh0 [N,H,K,V]."""
+    scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     i_v, i_nh = _program(NV)
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HK)
@@ -250,6 +252,7 @@ def fused_recurrent_bwd_combine_kernel(
     cumulative sums (ill-conditioned, see fused_recurrent_fwd_kernel).
     Without USE_H0 the first step's gate gradients are exactly 0 (its gates
     decay a zero state); the cumulative sums would leave rounding noise there."""
+    scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HK)

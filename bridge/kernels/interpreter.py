@@ -14,6 +14,13 @@ bf16 `tl.dot` (Triton 3.7.1, upstream issue 11584)
     result keep the dtype the kernel asked for, so the result differs from a
     float64 matmul only by fp32 accumulation rounding.
 
+Scalars as indices (Triton 3.6 with NumPy >= 2.4)
+    The interpreter holds a scalar as a one-element 1-d array, and Triton 3.6's
+    `_patch_lang_tensor` gives tensors `__index__ = int(self.handle.data)`, which
+    NumPy 2.4 refuses for arrays of ndim > 0: every `range(0, n)` on a loaded
+    bound fails. `install()` wraps `_patch_lang_tensor` so that `__index__`
+    reads the one element (what Triton 3.7 does itself).
+
 Other dot precisions, as the interpreter computes them (unpatched)
     fp32 operands: `input_precision` ("tf32", "tf32x3", "ieee"; the default
     is "tf32") is ignored; the product is an exact fp32 matmul (NumPy's
@@ -82,6 +89,22 @@ def _make_create_dot(original, interp, tl):
     return create_dot
 
 
+def _install_index_fix(interp) -> None:
+    """Wrap `_patch_lang_tensor` so a scalar tensor's `__index__` reads its one element."""
+    original = getattr(interp, "_patch_lang_tensor", None)
+    if original is None:
+        _fail("triton.runtime.interpreter has no `_patch_lang_tensor`")
+    if getattr(original, _MARK, False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    setattr(patch_lang_tensor, _MARK, True)
+    interp._patch_lang_tensor = patch_lang_tensor
+
+
 def _self_check(interp, tl):
     """A 1x2 @ 2x1 bf16 dot through the patched builder: 1.5*2 + (-0.25)*4 = 2."""
     np = interp.np
@@ -95,7 +118,8 @@ def _self_check(interp, tl):
 
 
 def install() -> bool:
-    """Patch Triton's interpreter so that bf16 `tl.dot` is computed correctly.
+    """Patch Triton's interpreter so that bf16 `tl.dot` is computed correctly and scalar
+    tensors index (see the module doc).
 
     Returns True if the fix is in place (now or from an earlier call), False
     when the interpreter is not active (TRITON_INTERPRET != "1") or Triton
@@ -120,6 +144,7 @@ def install() -> bool:
         _fail("InterpreterBuilder has no create_dot method")
     if "create_dot" in vars(interp.interpreter_builder):
         _fail("interpreter_builder overrides create_dot on the instance")
+    _install_index_fix(interp)
     if getattr(current, _MARK, False):
         return True
     code = getattr(current, "__code__", None)

@@ -325,7 +325,7 @@ def markdown(records, impls, baselines, machine, checks, plots=(), gpu=None,
 
     lines += ["## Many devices (8 host devices, CPU)", "", multidevice_section(multidevice), ""]
     lines += ["## GPU", ""]
-    lines += [gpu or "not measured: no GPU lent"]
+    lines += [gpu or "not measured: no GPU"]
     lines += [""]
     return "\n".join(lines)
 
