@@ -7,7 +7,8 @@ heads); only the cheap elementwise state recurrence runs in a `lax.scan` over
 chunks. Log decays are summed inside 16-token blocks and combined through
 reference points (a segment midpoint, a block or chunk boundary), so every
 exponent is a sum of gates that is <= 0 for gates <= 0 (strong gates cannot
-overflow) and no long running sums are subtracted (scan-level precision).
+overflow) and none is a difference of two sums (no precision depends on the
+gates' magnitude; -inf, clamped, is an exact reset).
 The in-chunk part for key-dim gates without gv (the GLA case), in float32,
 has a hand-written backward (xla_intra.py: faster than autodiff of the tree);
 everything else, and float64 (forward-mode checks), is JAX autodiff of

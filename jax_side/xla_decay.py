@@ -2,8 +2,8 @@
 
 Every exponent handed out here is a sum of gates over a span of the chunk
 (<= 0 for gates <= 0, so strong gates cannot overflow), assembled from 16-token
-in-block cumulative sums plus whole-block totals: no long running sums are
-subtracted, which keeps strong gates at scan-level precision.
+in-block sums plus whole-block totals, none a difference of two sums: a gate
+far below zero cannot take the other gates' precision with it.
 """
 
 from typing import NamedTuple
