@@ -63,7 +63,7 @@ def _scalar_intra(q, k, v, ka):
     """_intra for one decay per head and step (ka = local(a) of a [Z,C,1]): the whole
     [C, C] weight matrix is cheap, so P = (q k^T) * W in one matmul. Log weights, each a
     sum of gates, never a difference of two: inside a 16-block, the pair's highest
-    differing bit picks the level whose midpoint splits it (mids[l]_t + mids[l]_s), else
+    differing bit picks the level h whose midpoint splits it (mid(h)_t + mid(h)_s), else
     alpha_t + (whole blocks between) + beta_s."""
     Z, C, _ = q.shape
     nb = C // SUB
@@ -80,7 +80,8 @@ def _scalar_intra(q, k, v, ka):
     same = (pos[:, None] // SUB) == (pos[None, :] // SUB)
     bit = np.where(same, np.bitwise_xor(pos[:, None], pos[None, :]), 0)
     logw = ka.alpha[:, :, None, 0] + mid + ka.beta[:, None, :, 0]
-    for lv, m in enumerate(ka.mids):
+    for lv in range(SUB.bit_length() - 1):  # h = 1, 2, 4, 8
+        m = ka.mid(1 << lv)
         pair = m[:, :, None, 0] + m[:, None, :, 0]
         logw = jnp.where((bit >> lv) == 1, pair, logw)
     logw = jnp.where(same & (bit == 0), 0.0, logw)  # the diagonal

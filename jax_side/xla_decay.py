@@ -18,53 +18,57 @@ from bridge.decay import RESET_FLOOR
 SUB = 16  # sub-chunk width: the span of in-block cumulative log-gate sums
 
 
+def _in_block(m, b):
+    """Sums of gates b [X, 16, D] over the 0/1 rows of m [16, 16]: [X, 16, D].
+    Broadcast over the blocks as a batched dot: XLA CPU's cumulative sums
+    (reduce-window) cost more, unrolled running sums cost compile time, and
+    contracting b's time axis directly makes XLA transpose b to time-minor and back
+    (figures: BENCHMARKS.md, "Tuning history of the CPU paths")."""
+    return jnp.einsum("xts,xsd->xtd", jnp.broadcast_to(jnp.asarray(m, b.dtype),
+                                                       (b.shape[0], SUB, SUB)), b)
+
+
+def _mid_matrix(h):
+    """[16, 16] 0/1 rows for half-width h < 16: a row t in the right half of its aligned
+    2h-segment sums the midpoint through t, one in the left half after t to the midpoint."""
+    t, s = np.arange(SUB)[:, None], np.arange(SUB)[None, :]
+    mid = t - t % (2 * h) + h
+    return np.where(t >= mid, (s >= mid) & (s <= t), (s > t) & (s < mid)).astype(np.float64)
+
+
 class Sums(NamedTuple):
-    """In-block sums of log gates over [Z, C, D] (`local`): alpha from the 16-block's
-    start through t, beta from after t to the block's end, tau [Z, C/16, D] block totals,
-    and mids[l] (half-width h = 2^l < 16) from the midpoint of t's aligned 2h-segment
-    through t (right half) or from after t to that midpoint (left half)."""
+    """In-block sums of log gates a [Z, C, D] (`local`): alpha from the 16-block's start
+    through t, beta from after t to the block's end, tau [Z, C/16, D] block totals, and
+    the gates a themselves (clamped) for `mid`."""
     alpha: jax.Array
     beta: jax.Array
     tau: jax.Array
-    mids: tuple
+    a: jax.Array
 
     def map(self, f):
         """The same sums with f applied to every array (a relayout)."""
-        return Sums(f(self.alpha), f(self.beta), f(self.tau), tuple(map(f, self.mids)))
+        return Sums(*map(f, self))
 
-
-def _matrices():
-    """The 0/1 matrices [16, 16] of local's sums (row t sums the gates of its columns):
-    alpha's, beta's and mids' (h = 1, 2, 4, 8) stacked [6 * 16, 16]."""
-    t, s = np.arange(SUB)[:, None], np.arange(SUB)[None, :]
-    mats = [s <= t, s > t]
-    for h in (1, 2, 4, 8):
-        mid = t - t % (2 * h) + h
-        mats.append(np.where(t >= mid, (s >= mid) & (s <= t), (s > t) & (s < mid)))
-    return np.concatenate(mats).astype(np.float64)
-
-
-_MATS = _matrices()
+    def mid(self, h):
+        """[Z, C, D] for half-width h < 16: from the midpoint of t's aligned 2h-segment
+        through t (right half), or from after t to that midpoint (left half)."""
+        Z, C, D = self.a.shape
+        return _in_block(_mid_matrix(h), self.a.reshape(-1, SUB, D)).reshape(Z, C, D)
 
 
 def local(a):
     """In-block sums of log gates a [Z, C, D] (see Sums), each a sum of the gates it
-    spans (one matmul of 0/1 rows), never a difference of two sums: with a gate far
+    spans (matmuls of 0/1 rows), never a difference of two sums: with a gate far
     below zero in a block, a difference would cancel its magnitude and keep only
     |gate| * eps of the rest. Gates below -RESET_FLOOR count as that (bridge.decay)."""
     Z, C, D = a.shape
-    X = Z * C // SUB
     a = jnp.maximum(a, -RESET_FLOOR)
-    b = a.reshape(X, SUB, D)
-    # triangular matmuls, broadcast over the blocks as a batched dot: XLA CPU's cumulative
-    # sums (reduce-window) cost more, unrolled running sums cost compile time, and
-    # contracting b's time axis directly makes XLA transpose b to time-minor and back
-    # (figures: BENCHMARKS.md, "Tuning history of the CPU paths")
-    m = jnp.broadcast_to(jnp.asarray(_MATS, a.dtype), (X, *_MATS.shape))
-    sums = jnp.einsum("xts,xsd->xtd", m, b).reshape(X, -1, SUB, D)
-    per = [sums[:, i].reshape(Z, C, D) for i in range(sums.shape[1])]
-    tau = sums[:, 0, -1].reshape(Z, C // SUB, D)
-    return Sums(per[0], per[1], tau, tuple(per[2:]))
+    b = a.reshape(-1, SUB, D)
+    ones = np.ones((SUB, SUB))
+    alpha = _in_block(np.tril(ones), b)
+    beta = _in_block(np.triu(ones, 1), b)
+    return Sums(alpha.reshape(Z, C, D), beta.reshape(Z, C, D),
+                alpha[:, -1].reshape(Z, C // SUB, D), a)
 
 
 def _blocks_around(tau, w):
@@ -96,7 +100,7 @@ def level(ka, h):
     Z, C, D = ka.alpha.shape
     seg = lambda x: x.reshape(Z, C // (2 * h), 2, h, D)  # noqa: E731
     if h < SUB:  # inside one 16-block: its own sums
-        m = seg(ka.mids[h.bit_length() - 1])
+        m = seg(ka.mid(h))
         return m[:, :, 1], m[:, :, 0]
     into, out = spans(ka, h)
     return seg(into)[:, :, 1], seg(out)[:, :, 0]

@@ -204,11 +204,7 @@ def test_key_gates_strong_custom_backward(reverse, chunk_size):
     gates, a run of extreme decays, varlen with an empty sequence, GQA."""
     case = Case(seqlens=(70, 7, 0, 50), H=4, Hk=2, g="key", gk=True, g_gamma="seq",
                 initial_state=True, gate_scale=40.0, reverse=reverse)
-    arrays = extreme(case, slice(10, 30))
-    # the cotangents of seed 99, as before: seed 0's own nearly cancel the true dg_gamma
-    # (its float32 error is then 3.4e-5 relative; seeds 1-3 and 99 give 2e-6..1e-5)
-    arrays.update(cases.split(cases.inputs(case, 99))[1])
-    assert_matches(case, arrays=arrays, chunk_size=chunk_size)
+    assert_matches(case, arrays=extreme(case, slice(10, 30)), chunk_size=chunk_size)
 
 
 def test_vmap_grad_key_gate():
