@@ -116,3 +116,24 @@ def test_decays_far_below(backend, reverse):
     case = FAR.with_(reverse=reverse)
     errs = errors(backend, case, backends.prepared(case, "float32"), gate_floor=1e-3)[0]
     assert_close(errs)
+
+
+def test_oracle_reset_closed_form():
+    """The oracle itself at g_gamma = -inf (every step a reset), against the closed form:
+    o_t = scale (q_t . k_t) v_t, final_state = k_T^T v_T, the initial state and the gate
+    without gradient."""
+    from parity import oracle
+
+    case = cases.Case("all-resets", T=5, H=2, Hk=2, K=3, V=4, g_gamma="head",
+                      initial_state=True)
+    x = cases.inputs(case)
+    x["g_gamma"][:] = -np.inf
+    kw = dict(g_gamma=x["g_gamma"], initial_state=x["initial_state"])
+    o, fin = oracle.recurrent(x["q"], x["k"], x["v"], **kw)
+    qk = np.einsum("bthk,bthk->bth", x["q"].astype(np.float64), x["k"]) * case.K ** -0.5
+    np.testing.assert_allclose(o, qk[..., None] * x["v"], rtol=1e-12, atol=1e-12)
+    k, v = (x[n][:, -1].astype(np.float64) for n in ("k", "v"))
+    np.testing.assert_allclose(fin, np.einsum("bhk,bhv->bhkv", k, v), rtol=1e-12)
+    grads = oracle.recurrent_grads(x["q"], x["k"], x["v"], **kw, do=x["do"],
+                                   dfinal_state=x["dfinal_state"])
+    assert np.all(grads["g_gamma"] == 0) and np.all(grads["initial_state"] == 0)
