@@ -14,3 +14,11 @@ def key_decay(g=None, gk=None, gamma=None):
         if x is not None:
             a = x if a is None else a + x
     return a
+
+
+# A log decay at or below -RESET_FLOOR is a full reset: every decay spanning it is
+# exp(<= -RESET_FLOOR) = 0 (in float64 too) and so is its gradient. The chunked paths clamp
+# gates there, so -inf (log 0) never meets the zeros of a masked or triangular product
+# (0 * -inf is NaN) and sums of clamped gates stay finite; 2^15 is exact in every float
+# dtype, float16 included.
+RESET_FLOOR = 32768.0

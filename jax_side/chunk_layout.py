@@ -90,5 +90,5 @@ class Layout:
             gam = f(g_gamma)
             gam = gam[self.seq] if plan.g_gamma == "seq" else jnp.broadcast_to(
                 gam, (self.R, plan.H))
-            gam = gam[..., None, None] * self.valid
+            gam = jnp.where(self.valid, gam[..., None, None], 0.0)  # (-inf * 0 is NaN)
         return key_decay(a_g, a_gk, gam)

@@ -42,6 +42,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from bridge.decay import RESET_FLOOR
+
 from . import pallas_kernels as pk
 from . import sharding
 from .sharding import struct, vary_all
@@ -357,6 +359,8 @@ def recurrent_pallas(plan, q, k, v, g=None, gk=None, gv=None, g_gamma=None, init
     if plan.gv or a.shape[-1] != 1:  # key-wise decays ([C, 1] stays: the scalar kernels)
         a = jnp.broadcast_to(a, (lay.S, lay.R, H, C, K))
     b = lay.chunks(f(gv)) if plan.gv else None
+    # gates below -RESET_FLOOR are resets (exp = 0, gradient 0 through the clamp)
+    a, b = (None if x is None else jnp.maximum(x, -RESET_FLOOR) for x in (a, b))
     h0 = f(initial_state) if plan.initial_state else jnp.zeros((N, H, K, V), F32)
 
     qc, kc, vc, a, b, h0 = vary_all(qc, kc, vc, a, b, h0)  # shard_map: one vma for all

@@ -138,7 +138,7 @@ class Decay:
     head [C, D] e^{sum from t's sub-chunk start to t}; tail [C, D] e^{sum after t
     to its sub-chunk end}; between[j] [C, D] e^{sum over the sub-chunks strictly
     between j and sub(t)} for rows of sub-chunks after j, else 0;
-    local [C, D] the exponent of head (for the diagonal blocks' pair decays).
+    x [C, D] the gates themselves (for the diagonal blocks' pair decays).
     """
 
     def __init__(self, x, inner=True):
@@ -148,7 +148,7 @@ class Decay:
         if not inner:
             return
         tail = sm.tail
-        self.local = sm.local
+        self.x = x
         self.end = jnp.exp(sm.after + tail)
         self.head, self.tail = jnp.exp(sm.local), jnp.exp(tail)
         rows = lax.broadcasted_iota(jnp.int32, x.shape, 0)
@@ -158,11 +158,15 @@ class Decay:
     def pairs(self, i):
         """[SUB(t), SUB(s), D] e^{x_{s+1} + .. + x_t} for s < t inside sub-chunk i, else 0
         (the pairs s = t have weight 1 and are handled whole, see Intra)."""
-        A = self.local[i * SUB:(i + 1) * SUB]
-        t = lax.broadcasted_iota(jnp.int32, (SUB, SUB, A.shape[1]), 0)
-        s = lax.broadcasted_iota(jnp.int32, (SUB, SUB, A.shape[1]), 1)
-        m = s < t
-        return jnp.where(m, jnp.exp(jnp.where(m, A[:, None, :] - A[None, :, :], 0.0)), 0.0)
+        x = self.x[i * SUB:(i + 1) * SUB]
+        s = lax.broadcasted_iota(jnp.int32, (SUB, x.shape[1]), 0)
+        # row t's sums over (s, t] by adding x_t to row t - 1's: sums, not differences of
+        # running sums (which keep only |gate| * eps after a gate far below zero)
+        rows, r = [], jnp.zeros_like(x)
+        for t in range(SUB):
+            r = jnp.where(s < t, r + x[t:t + 1], 0.0)
+            rows.append(jnp.where(s < t, jnp.exp(r), 0.0))
+        return jnp.stack(rows)
 
 
 def row(col):
@@ -176,7 +180,7 @@ class ScalarDecay:
     """Decay's quantities for one log gate per token (x [C, 1]: per-head gates,
     g_gamma): start, end [C, 1], total = total_col [1, 1], and W [C, C]
     e^{x_{s+1} + .. + x_t} for s <= t (else 0), factored like the key-wise pairs:
-    inside a sub-chunk a difference of sums over <= 16 gates, across sub-chunks
+    inside a sub-chunk a running sum down the rows from s + 1, across sub-chunks
     (t's part of its sub-chunk) + (whole sub-chunks between) + (s's rest of its)."""
 
     def __init__(self, x, weights=True):
@@ -192,7 +196,9 @@ class ScalarDecay:
         for i in range(2, NSUB):
             for j in range(i - 1):
                 btw = jnp.where((si == i) & (sj == j), _sum(sm.T[j + 1:i]), btw)
-        D = jnp.where(si == sj, sm.local - row(sm.local), sm.local + btw + row(tail))
+        # inside a sub-chunk: sums over (s, t] down the rows, never local_t - local_s
+        inner = scan(jnp.where(c < r, jnp.broadcast_to(x, (C, C)), 0.0), SUB)
+        D = jnp.where(si == sj, inner, sm.local + btw + row(tail))
         self.W = jnp.where(c <= r, jnp.exp(jnp.where(c <= r, D, 0.0)), 0.0)
 
 

@@ -7,7 +7,8 @@ heads); only the cheap elementwise state recurrence runs in a `lax.scan` over
 chunks. Log decays are summed inside 16-token blocks and combined through
 reference points (a segment midpoint, a block or chunk boundary), so every
 exponent is a sum of gates that is <= 0 for gates <= 0 (strong gates cannot
-overflow) and no long running sums are subtracted (scan-level precision).
+overflow) and none is a difference of two sums (no precision depends on the
+gates' magnitude; -inf, clamped, is an exact reset).
 The in-chunk part for key-dim gates without gv (the GLA case), in float32,
 has a hand-written backward (xla_intra.py: faster than autodiff of the tree);
 everything else, and float64 (forward-mode checks), is JAX autodiff of
@@ -58,14 +59,15 @@ class XlaConfig:
 DEFAULT = XlaConfig()
 
 
-def _scalar_intra(q, k, v, alpha, beta, tau):
-    """_intra for one decay per head and step (alpha, beta [Z,C,1], tau [Z,C/16,1]):
-    the whole [C, C] weight matrix is cheap, so P = (q k^T) * W in one matmul. Log
-    weights: alpha_t - alpha_s inside a 16-block, else alpha_t + (whole blocks
-    between) + beta_s, each a sum of gates, never a long running-sum difference."""
+def _scalar_intra(q, k, v, ka):
+    """_intra for one decay per head and step (ka = local(a) of a [Z,C,1]): the whole
+    [C, C] weight matrix is cheap, so P = (q k^T) * W in one matmul. Log weights, each a
+    sum of gates, never a difference of two: inside a 16-block, the pair's highest
+    differing bit picks the level h whose midpoint splits it (mid(h)_t + mid(h)_s), else
+    alpha_t + (whole blocks between) + beta_s."""
     Z, C, _ = q.shape
     nb = C // SUB
-    tot = [tau[:, i, 0] for i in range(nb)]
+    tot = [ka.tau[:, i, 0] for i in range(nb)]
     mid = [[None] * nb for _ in range(nb)]  # mid[i][j]: blocks strictly between j < i
     for i in range(nb):
         for j in range(i - 1, -1, -1):
@@ -74,10 +76,15 @@ def _scalar_intra(q, k, v, alpha, beta, tau):
         mid[i][i] = jnp.zeros_like(tot[0])
     mid = jnp.stack([jnp.stack(r, -1) for r in mid], -2)  # [Z, nb, nb]
     mid = jnp.repeat(jnp.repeat(mid, SUB, 1), SUB, 2)
-    blk = np.arange(C) // SUB
-    same = blk[:, None] == blk[None, :]
-    al, be = alpha[:, :, 0], beta[:, :, 0]
-    logw = jnp.where(same, al[:, :, None] - al[:, None, :], al[:, :, None] + mid + be[:, None, :])
+    pos = np.arange(C)
+    same = (pos[:, None] // SUB) == (pos[None, :] // SUB)
+    bit = np.where(same, np.bitwise_xor(pos[:, None], pos[None, :]), 0)
+    logw = ka.alpha[:, :, None, 0] + mid + ka.beta[:, None, :, 0]
+    for lv in range(SUB.bit_length() - 1):  # h = 1, 2, 4, 8
+        m = ka.mid(1 << lv)
+        pair = m[:, :, None, 0] + m[:, None, :, 0]
+        logw = jnp.where((bit >> lv) == 1, pair, logw)
+    logw = jnp.where(same & (bit == 0), 0.0, logw)  # the diagonal
     causal = np.tril(np.ones((C, C), bool))
     w = jnp.exp(jnp.where(causal, logw, -jnp.inf))
     return (jnp.einsum("ztk,zsk->zts", q, k) * w) @ v
@@ -101,7 +108,7 @@ def _intra(q, k, v, a, b):
     Z, C, K = q.shape
     ka, va = local(a), None if b is None else local(b)
     if a.shape[-1] == 1 and b is None:
-        return _scalar_intra(q, k, v, *ka), ka, va
+        return _scalar_intra(q, k, v, ka), ka, va
     if b is None:
         # float32: the hand-written backward (no forward mode); float64 (the
         # finite-difference checks) differentiates the same tree with autodiff
@@ -113,13 +120,13 @@ def _intra(q, k, v, a, b):
     while h < C:
         n = C // (2 * h)
         seg = lambda x: x.reshape(Z, n, 2, h, x.shape[-1])
-        eq, ek = level(*ka, h)
+        eq, ek = level(ka, h)
         qf, kf = seg(q)[:, :, 1] * jnp.exp(eq), seg(k)[:, :, 0] * jnp.exp(ek)
         if h >= 4:
             cross = jnp.einsum("znik,znjk->znij", qf, kf)
         else:  # too small for a matmul
             cross = rowdot(qf[:, :, :, None, :], kf[:, :, None, :, :])
-        fq, fk = level(*va, h)
+        fq, fk = level(va, h)
         vf = seg(v)[:, :, 0] * jnp.exp(fk)
         c = jnp.einsum("znij,znjv->zniv", cross, vf) * jnp.exp(fq)
         o = o + jnp.stack([jnp.zeros_like(c), c], 2).reshape(o.shape)
@@ -325,21 +332,21 @@ class Slabs:
         tv, *a = map(tokens, xs[2:])
         if gam is not None:
             pos = c * W + jnp.arange(W)
-            a.append((gam[:, None] * (pos < plan.T)[None, :, None])[..., None])
+            a.append(jnp.where((pos < plan.T)[None, :, None], gam[:, None], 0.0)[..., None])
         a = jnp.broadcast_to(sum(a[1:], a[0]), (B, W, H, K))
         # in-block sums in the token layout (heads in the minor dim: larger dots, and no
         # relayout of the gates), then into chunks with their consumers
         la = local(a.reshape(B * n, C, H * K))
 
         def blocks():
-            """local(a) of the chunks, (alpha, beta [B*H*n, C, K], tau [B*H*n, C/16, K])."""
-            return tuple(chunks(x.reshape(B, -1, H, K), x.shape[1]) for x in la)
+            """local(a) of the chunks (xla_decay.Sums of [B*H*n, C or C/16, K])."""
+            return la.map(lambda x: chunks(x.reshape(B, -1, H, K), x.shape[1]))
 
         ka = blocks()
         cv = chunks(tv)
-        into, out = spans(*ka, C)
+        into, out = spans(ka, C)
         q_in, k_up = cq * jnp.exp(into), ck * jnp.exp(out)  # (e^into: block_p's too)
-        dA = jnp.exp(jnp.sum(ka[2], 1))
+        dA = jnp.exp(jnp.sum(ka.tau, 1))
         u = jnp.einsum("zck,zcv->zkv", k_up, cv)
         dA, u = dA.reshape(B * H, n, K, 1), u.reshape(B * H, n, K, V)
         s = s.reshape(B * H, K, V)
@@ -413,11 +420,11 @@ def _chunk_terms(q, k, v, a, b):
     from the incoming state S: (q_in @ S) * out_v."""
     C = q.shape[1]
     o, ka, va = _intra(q, k, v, a, b)
-    into, out = spans(*ka, C)
-    q_in, k_up, dA = q * jnp.exp(into), k * jnp.exp(out), jnp.exp(jnp.sum(ka[2], 1))
+    into, out = spans(ka, C)
+    q_in, k_up, dA = q * jnp.exp(into), k * jnp.exp(out), jnp.exp(jnp.sum(ka.tau, 1))
     out_v = dB = None
     if b is not None:
-        into, out = spans(*va, C)
-        out_v, v, dB = jnp.exp(into), v * jnp.exp(out), jnp.exp(jnp.sum(va[2], 1))
+        into, out = spans(va, C)
+        out_v, v, dB = jnp.exp(into), v * jnp.exp(out), jnp.exp(jnp.sum(va.tau, 1))
     u = jnp.einsum("zck,zcv->zkv", k_up, v)
     return o, dA, dB, u, q_in, out_v

@@ -40,7 +40,7 @@ def tree_p(q, k, ka, scales=None):
     while h < C:
         n = C // (2 * h)
         seg = lambda x: x.reshape(Z, n, 2, h, x.shape[-1])
-        e_q, e_k = (jnp.exp(e) for e in level(*ka, h))
+        e_q, e_k = (jnp.exp(e) for e in level(ka, h))
         if scales is not None:
             scales.append((e_q, e_k))
         qf, kf = seg(q)[:, :, 1] * e_q, seg(k)[:, :, 0] * e_k
@@ -59,7 +59,7 @@ def block_p(q, k, ka, e_in=None):
     decays from the chunk start through t, A_t, are all within LIMIT): P_ts =
     (q_t e^{A_t}) . (k_s e^{-A_s}) for s <= t, the factors in [e^-LIMIT, e^LIMIT].
     e_in: e^{A} [Z, C, K] if the caller has it."""
-    e_in = jnp.exp(spans(*ka, q.shape[1])[0]) if e_in is None else e_in
+    e_in = jnp.exp(spans(ka, q.shape[1])[0]) if e_in is None else e_in
     return _start_p(q * e_in, k / e_in)
 
 
@@ -79,7 +79,7 @@ def forward_p(q, k, ka, into=None, load=None):
     C = q.shape[1]
     if C < SUB:
         return tree_p(q, k, ka)
-    into = spans(*ka, C)[0] if into is None else into
+    into = spans(ka, C)[0] if into is None else into
     mild = jnp.max(jnp.abs(into)) <= LIMIT
     e_in = jnp.exp(into)  # (q e^{A}: the callers' inter-chunk queries too)
     load = (lambda: (q, k, ka)) if load is None else load

@@ -15,6 +15,8 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
+from bridge.decay import RESET_FLOOR
+
 
 class ChunkTable(NamedTuple):
     """The chunk slots of a call (see chunk_table). Sequences are ranked by chunk count,
@@ -96,7 +98,7 @@ class Slots:
         self.q, self.k, self.v, self.g, self.gk, self.gv = map(flat, (q, k, v, g, gk, gv))
         self.gamma = None
         if g_gamma is not None:  # [H, 1] per head or [H, N] per sequence
-            gamma = g_gamma.to(self.dtype)
+            gamma = g_gamma.to(self.dtype).clamp(min=-RESET_FLOOR)
             self.gamma = gamma[:, None] if gamma.dim() == 1 else gamma.t()
         self.token = self.table.token.view(-1, self.C)
 
@@ -135,8 +137,9 @@ class Slots:
         xv = x.view(n, -1, self.C, *x.shape[1:])[:, r0 // n:r1 // n]
         return xv.permute(3, 1, 0, 2, 4)
 
-    def gather(self, x, r0, r1, scale=1.0):
-        """[L, h, D] -> slots r0:r1 as [h, m, C, D] in the compute dtype, 0 at padding."""
+    def gather(self, x, r0, r1, scale=1.0, gate=False):
+        """[L, h, D] -> slots r0:r1 as [h, m, C, D] in the compute dtype, 0 at padding.
+        gate: x holds log decays, clamped at -RESET_FLOOR (bridge.decay: -inf is a reset)."""
         view = self._grid_view(x, r0, r1)
         if view is None:
             view = x.index_select(0, self.token[r0:r1].reshape(-1))
@@ -150,6 +153,8 @@ class Slots:
             if scale != 1.0:
                 y.mul_(scale)
         y = y.flatten(1, 2)
+        if gate:  # before the padding mask: -inf * 0 is NaN
+            y.clamp_(min=-RESET_FLOOR)
         keep = self.real_tokens(r0, r1)
         return y if keep is None else y.mul_(keep)
 
@@ -181,14 +186,15 @@ class Slots:
         k, v = self.gather(self.k, r0, r1), self.gather(self.v, r0, r1)
         if Hk != H:  # query head h reads kv head h // (H // Hk)
             k, v = (x.unsqueeze(1).expand(Hk, H // Hk, *x.shape[1:]).flatten(0, 1) for x in (k, v))
-        parts = [self.gather(x, r0, r1) for x in (self.g, self.gk) if x is not None]
+        parts = [self.gather(x, r0, r1, gate=True) for x in (self.g, self.gk) if x is not None]
         if self.gamma is not None:  # 0 at padding
             gs = self.gamma if self.gamma.shape[1] == 1 else self.gamma.index_select(
                 1, self.table.sequence[r0:r1])
             gs, keep = gs[..., None, None], self.real_tokens(r0, r1)
             parts.append(gs * keep if keep is not None else gs.expand(H, r1 - r0, C, 1))
         a = functools.reduce(torch.add, parts) if parts else None
-        return q, k, v, a, self.gather(self.gv, r0, r1) if self.gv is not None else None
+        return q, k, v, a, self.gather(self.gv, r0, r1, gate=True) if self.gv is not None \
+            else None
 
     def by_rank(self, x, N, like):
         """[N, H, K, V] -> [H, N, K, V] in rank order and the compute dtype (zeros for None)."""

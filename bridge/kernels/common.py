@@ -5,6 +5,8 @@ flags and gate inputs of a Plan. Nothing here is private to one family."""
 import triton
 import triton.language as tl
 
+from ..decay import RESET_FLOOR
+
 MAX_K = 256  # both families hold all of K (or its blocks) of a row on chip
 
 
@@ -25,9 +27,9 @@ def head_gamma(g_gamma, i_n, i_h, H: tl.constexpr, GAMMA_MODE: tl.constexpr):
     """The constant log decay of this (sequence, head): [H] or [N, H] form, 0 if absent."""
     gamma = 0.0
     if GAMMA_MODE == 1:
-        gamma = tl.load(g_gamma + i_h).to(tl.float32)
+        gamma = floored(tl.load(g_gamma + i_h).to(tl.float32))
     if GAMMA_MODE == 2:
-        gamma = tl.load(g_gamma + i_n * H + i_h).to(tl.float32)
+        gamma = floored(tl.load(g_gamma + i_n * H + i_h).to(tl.float32))
     return gamma
 
 
@@ -192,7 +194,7 @@ def decay_k(g, gk, gamma, rows, mask_t, i_h, o_k, mask_k, H: tl.constexpr, K: tl
         a += load_rows(gk, rows, i_h, o_k, mask_t, mask_k, H, K).to(tl.float32)
     if GAMMA_MODE > 0:
         a += tl.where(mask_t, gamma, 0.)[:, None]
-    return a
+    return floored(a)
 
 
 @triton.jit
@@ -214,7 +216,7 @@ def decay_v(gv, rows, mask_t, i_h, o_v, mask_v, H: tl.constexpr, V: tl.constexpr
             USE_GV: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
     """Per-step log decays along V (gv), fp32 [BT, BV]; 0 when absent or masked."""
     if USE_GV:
-        return load_rows(gv, rows, i_h, o_v, mask_t, mask_v, H, V).to(tl.float32)
+        return floored(load_rows(gv, rows, i_h, o_v, mask_t, mask_v, H, V).to(tl.float32))
     else:
         return tl.zeros([BT, BV], dtype=tl.float32)
 
@@ -231,6 +233,14 @@ def row_of(x, o_t, j):
 # tensor cores do the scans: exact sums when a's values are exact dot operands.
 
 LOG2E = tl.constexpr(1.4426950408889634)
+FLOOR = tl.constexpr(RESET_FLOOR)
+
+
+@triton.jit
+def floored(a):
+    """Log decays a (any float dtype) with those below -RESET_FLOOR raised to it: resets
+    (bridge.decay), -inf among them; NaN stays NaN."""
+    return tl.where(a < -FLOOR, -FLOOR, a).to(a.dtype)
 
 
 @triton.jit
@@ -282,9 +292,9 @@ def decay_k_in(DT: tl.constexpr, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask
         a = load_tile(g, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
     if DT != tl.float32:
         if G_MODE > 0:
-            return a
+            return floored(a)
         else:
-            return load_tile(gk, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
+            return floored(load_tile(gk, row0, pos, i_h, o_k, mask_t, mask_k, H, K))
     else:
         acc = tl.zeros([BT, BK], dtype=tl.float32)
         if G_MODE > 0:
@@ -293,7 +303,7 @@ def decay_k_in(DT: tl.constexpr, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask
             acc += load_tile(gk, row0, pos, i_h, o_k, mask_t, mask_k, H, K).to(tl.float32)
         if GAMMA_MODE > 0:
             acc += tl.where(mask_t, gamma, 0.)[:, None]
-        return acc
+        return floored(acc)
 
 
 @triton.jit

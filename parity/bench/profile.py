@@ -53,8 +53,8 @@ def jax_stages(shape, T):
     p = jax.block_until_ready(jax.jit(xla_intra.tree_p)(cq, ck, ka))
 
     def decays(q, k, ka):
-        into, out = xla_decay.spans(*ka, C)
-        return q * jnp.exp(into), k * jnp.exp(out), jnp.exp(jnp.sum(ka[2], 1))
+        into, out = xla_decay.spans(ka, C)
+        return q * jnp.exp(into), k * jnp.exp(out), jnp.exp(jnp.sum(ka.tau, 1))
 
     q_in, k_up, dA = jax.block_until_ready(jax.jit(decays)(cq, ck, ka))
     u = jnp.einsum("zck,zcv->zkv", k_up, cv)
