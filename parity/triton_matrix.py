@@ -5,11 +5,12 @@
 
 For each Triton of `SUPPORTED`: `bridge.aot` builds every variant of every kernel family
 to cubin for each arch (one process per arch, side by side), and the rows are checked as
-the kernels' contract asks (`problems`); then the interpreter runs one test case per gate
-kind of each family (`TESTS`). The Triton this Python has runs here; each other one runs in
-a virtual environment made under `--envs` (torch's CPU build, that Triton, numpy, pytest;
-kept for the next run). Every failure is printed with its Triton, arch, kernel and variant;
-exit 1 if there is any. CI runs it beside the tests (README, "Supported versions").
+the kernels' contract asks (`problems`); then `TESTS` run: one interpreter case per gate
+kind of each family, and the GPU kit's sweep candidates built. The Triton this Python has
+runs here; each other one runs in a virtual environment made under `--envs` (torch's CPU
+build, that Triton, numpy, pytest; kept for the next run). Every failure is printed with
+its Triton, arch, kernel and variant; exit 1 if there is any. CI runs it beside the tests
+(README, "Supported versions").
 """
 
 from __future__ import annotations
@@ -46,14 +47,16 @@ SPILL_LIMIT = {"fused_recurrent": {80: 8, 90: 0}, "chunk": {90: 256}, "fused_chu
 MAX_REGS = 255
 
 # One interpreter case per gate kind of each family, fp32 and one 16-bit case (the
-# interpreter shim's bf16 dot) each.
+# interpreter shim's bf16 dot) each; and the GPU kit's sweep candidates built for sm_80
+# and sm_90 (bridge/tuning.py).
 _GATES = ("plain", "g-head", "g-key", "gk", "gv", "gamma-head", "gamma-seq", "reverse", "varlen",
           "everything")
 TESTS = tuple(f"tests/test_triton_{fam}.py::test_features_fp32[{g}]"
               for fam in ("fused", "chunk", "fused_chunk") for g in _GATES) + (
     "tests/test_triton_fused.py::test_low_precision[everything-bfloat16]",
     "tests/test_triton_chunk.py::test_low_precision[bfloat16-20]",
-    "tests/test_triton_fused_chunk.py::test_low_precision[bfloat16-20]")
+    "tests/test_triton_fused_chunk.py::test_low_precision[bfloat16-20]",
+    "tests/test_tuning.py::test_candidates_build_ahead_of_time_for_sm80_and_sm90")
 
 
 def family(kernel: str) -> str:
@@ -168,10 +171,10 @@ def main(argv=None) -> int:
             t1 = time.time()
             res = interpret(py)
             summary = (res.stdout.strip().splitlines() or ["no output"])[-1]
-            log(f"triton {version}: interpreter, {len(TESTS)} cases: {summary} "
+            log(f"triton {version}: tests, {len(TESTS)} cases: {summary} "
                 f"({time.time() - t1:.0f} s)")
             if res.returncode:
-                bad.append(f"triton {version} interpreter:\n{res.stdout[-4000:]}"
+                bad.append(f"triton {version} tests:\n{res.stdout[-4000:]}"
                            f"{res.stderr[-2000:]}")
         for line in bad:
             log("FAIL " + line)
