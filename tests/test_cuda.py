@@ -43,6 +43,8 @@ CASES = [
                g_gamma="head", initial_state=True, packed=True),
 ]
 
+MODES = ["chunk", "fused_recurrent", "fused_chunk"]  # every Triton family
+
 
 def test_compiled_not_interpreted():
     assert not bridge.kernels.INTERPRETED
@@ -117,7 +119,7 @@ def test_reference_shape_chunk_against_fused():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_torch_launch_matches_oracle(case, mode, dtype):
     arrays = backends.prepared(case, dtype)
@@ -126,9 +128,24 @@ def test_torch_launch_matches_oracle(case, mode, dtype):
     assert max(errs.values()) <= tolerance(dtype), errs
 
 
+@pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["key-resets", "all-gates-varlen"])
+def test_resets_on_the_compiled_kernels(name, mode, reverse):
+    """-inf and huge negative finite gates in every gate input (SPEC, "Resets"), packed
+    sequences among them, both directions: the compiled kernels give the float64 oracle's
+    values and gradients (the interpreter runs the same cases: tests/test_extreme_gates.py)."""
+    from test_extreme_gates import CASES, errors as reset_errors
+
+    case, make = CASES[name]
+    case = case.with_(reverse=reverse)
+    errs, _ = reset_errors(backends.TorchBackend("triton", mode), case, make(case))
+    assert max(errs.values()) <= tolerance("float32"), errs
+
+
 @pytest.mark.skipif(importlib.util.find_spec("jax_triton") is None,
                     reason="jax-triton is not installed: JAX cannot launch Triton kernels on CUDA")
-@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", CASES[:2], ids=lambda c: c.name)
 def test_jax_launch_matches_torch_launch(case, mode):
     """One kernel, two launchers: the same compiled variant from jax-triton and
