@@ -21,6 +21,11 @@ Scalars as indices (Triton 3.6 with NumPy >= 2.4)
     bound fails. `install()` wraps `_patch_lang_tensor` so that `__index__`
     reads the one element (what Triton 3.7 does itself).
 
+bf16 scalar constants (Triton 3.6 and 3.7)
+    A Python float meeting a bf16 tensor (`tl.where(a < c, c, a)` on bf16 gates) becomes
+    a bf16 constant through `InterpreterBuilder.get_bf16`, which the interpreter lacks.
+    `install()` adds it: the float32 constant cast to bf16 by the interpreter's own cast.
+
 Other dot precisions, as the interpreter computes them (unpatched)
     fp32 operands: `input_precision` ("tf32", "tf32x3", "ieee"; the default
     is "tf32") is ignored; the product is an exact fp32 matmul (NumPy's
@@ -105,6 +110,18 @@ def _install_index_fix(interp) -> None:
     interp._patch_lang_tensor = patch_lang_tensor
 
 
+def _install_bf16_constant(interp, tl) -> None:
+    """Give the interpreter's builder the `get_bf16` it lacks (see the module doc)."""
+    builder_cls = interp.InterpreterBuilder
+    if hasattr(builder_cls, "get_bf16"):
+        return
+
+    def get_bf16(self, value):
+        return self.cast_impl(self.get_fp32(value), tl.bfloat16)
+
+    builder_cls.get_bf16 = get_bf16
+
+
 def _self_check(interp, tl):
     """A 1x2 @ 2x1 bf16 dot through the patched builder: 1.5*2 + (-0.25)*4 = 2."""
     np = interp.np
@@ -118,8 +135,8 @@ def _self_check(interp, tl):
 
 
 def install() -> bool:
-    """Patch Triton's interpreter so that bf16 `tl.dot` is computed correctly and scalar
-    tensors index (see the module doc).
+    """Patch Triton's interpreter so that bf16 `tl.dot` is computed correctly, scalar
+    tensors index and bf16 constants exist (see the module doc).
 
     Returns True if the fix is in place (now or from an earlier call), False
     when the interpreter is not active (TRITON_INTERPRET != "1") or Triton
@@ -145,6 +162,7 @@ def install() -> bool:
     if "create_dot" in vars(interp.interpreter_builder):
         _fail("interpreter_builder overrides create_dot on the instance")
     _install_index_fix(interp)
+    _install_bf16_constant(interp, tl)
     if getattr(current, _MARK, False):
         return True
     code = getattr(current, "__code__", None)
