@@ -77,11 +77,11 @@ def problems(rows: list, triton: str, archs=ARCHS, kernels=None) -> list:
     """What is wrong with `bridge.aot --json` rows: one line per failing variant, naming
     the Triton, arch, kernel and variant, and one per kernel of `kernels` (default: all
     of bridge/kernels) that no row of an arch built."""
-    out = []
+    out, kernels = [], kernel_names() if kernels is None else kernels
     for arch in archs:
         built = {r["kernel"] for r in rows if r["arch"] == arch}
         out += [f"triton {triton} sm_{arch} {k}: no variant built"
-                for k in sorted((kernel_names() if kernels is None else kernels) - built)]
+                for k in sorted(kernels - built)]
     for r in rows:
         where = f"triton {triton} sm_{r['arch']} {r['kernel']} [{r['variant']}, {r['stage']}]"
         if not r["ok"]:
@@ -139,7 +139,8 @@ def build(py: str, archs, cache: str, out_dir: Path) -> tuple[list, list]:
     return rows, broken
 
 
-def interpret(py: str) -> subprocess.CompletedProcess:
+def run_tests(py: str) -> subprocess.CompletedProcess:
+    """`TESTS` under `py`, in the interpreter (the candidate build compiles itself)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     return subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS],
                           cwd=ROOT, env=env, capture_output=True, text=True)
@@ -169,7 +170,7 @@ def main(argv=None) -> int:
             f", {len(bad)} problems ({time.time() - t0:.0f} s)")
         if not args.no_tests:
             t1 = time.time()
-            res = interpret(py)
+            res = run_tests(py)
             summary = (res.stdout.strip().splitlines() or ["no output"])[-1]
             log(f"triton {version}: tests, {len(TESTS)} cases: {summary} "
                 f"({time.time() - t1:.0f} s)")
