@@ -27,7 +27,8 @@ objects or asked for its kernels.
   torch is installed) and its checkpoints (safetensors, NumPy).
 - `aot.py`*, `sass.py`, `tripcounts.py`: ahead-of-time GPU builds and the GPU-readiness
   report (torch only for its version line); `aot_fla.py`*: fla's kernels compiled the
-  same way (fla's kernels are launched from torch to capture them).
+  same way (fla's kernels are launched from torch to capture them); `timemodel.py`: the
+  report's time per launch (HBM, tensor, MUFU, issue and dependent-chain terms).
 
 Framework-bound: importing these imports a framework.
 

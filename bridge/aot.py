@@ -21,7 +21,8 @@ bound on an H100 SXM; plus the backward's workspace (see `report`). Its SASS
 section (bridge/sass.py, trip counts from bridge/tripcounts.py) adds per launch
 CTAs per SM, static instructions, every loop with its bar.sync / SHFL /
 MUFU.EX2 / cp.async / TMA / MMA counts, and a dynamic warp-instruction estimate;
-and, for mode chunk on sm_90, issue 30's targets met / NOT met (`targets`).
+for mode chunk on sm_90, issue 30's targets met / NOT met (`targets`); and the time
+model's table per launch on an H200 and an H100 (bridge/timemodel.py).
 """
 
 import argparse
@@ -285,7 +286,7 @@ def sass_fields(compiled, trips, num_warps, arch, regs, shared, trips_error=None
     notes = list(a.notes) + ([trips_error] if trips_error else [])
     return dict(ctas_per_sm=occ["ctas"], occupancy=occ, sass_instructions=a.instructions,
                 loops=a.loops, dynamic=a.dynamic, dynamic_classes=a.dynamic_classes,
-                sass_notes=notes)
+                sass_notes=notes, mma_flops=a.mma_flops, chain=a.chain)
 
 
 def targets(rep, target="sm_90") -> list:
@@ -536,6 +537,12 @@ def markdown(rep: dict, sass_target=None) -> str:
                   f"bwd {d['bwd'] / 1e9:.3f}G."]
     elif fla:
         lines += ["", f"fla: {fla.get('error')}"]
+    from . import timemodel
+
+    lines += ["", timemodel.TEXT, "", timemodel.launch_markdown(rep["launches"])]
+    if fla and fla.get("launches"):
+        lines += ["", "fla (its autotuner's pick: the fastest config by the model):", "",
+                  timemodel.launch_markdown(fla["launches"])]
     if rep.get("targets"):
         lines += ["", targets_markdown(rep["targets"])]
     return "\n".join(lines)

@@ -26,6 +26,8 @@ import sys
 import time
 import types
 
+from . import timemodel
+
 H100 = dict(max_shared_mem=232448, multiprocessor_count=132, max_num_regs=65536, warpSize=32,
             sm_clock_rate=1980000, mem_clock_rate=2619000, mem_bus_width=5120)
 
@@ -173,7 +175,10 @@ def compile_config(entry, cfg, arch=90) -> dict:
     rec = dict(kernel=fn.__name__, phase=entry["phase"], target=f"sm_{arch}", grid=grid,
                programs=programs, num_warps=num_warps, num_stages=k.metadata.num_stages,
                config=_config_text(cfg), n_regs=use["regs"], n_spills=use["spill_bytes"] or 0,
-               shared=k.metadata.shared, **aot.count_mma(k.asm["ptx"]))
+               shared=k.metadata.shared, **aot.count_mma(k.asm["ptx"]),
+               # HBM bytes: every tensor argument read or written once
+               bytes=sum(v.numel() * v.element_size() for v in bound.values()
+                         if hasattr(v, "data_ptr")))
     rec.update(aot.sass_fields(k, trips, num_warps, arch, rec["n_regs"], rec["shared"], why,
                                programs))
     return rec
@@ -207,6 +212,7 @@ def report(shape, dtype="bf16", log=None) -> dict:
         best = dict(min(built, key=lambda r: r["dynamic"]))
         best["configs"] = [dict(config=r["config"], dynamic=r.get("dynamic"),
                                 n_regs=r.get("n_regs"), n_spills=r.get("n_spills"),
+                                **{k: r[k] for k in timemodel.FIELDS if k in r},
                                 ctas_per_sm=r.get("ctas_per_sm"),
                                 max_loop_bars=aot.max_loop_bars(r) if "loops" in r else None,
                                 error=r.get("error"))

@@ -29,6 +29,8 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 
+from . import timemodel
+
 # Per-SM limits used for CTAs per SM (CUDA occupancy calculator rules): registers
 # per SM, register allocation unit per warp, warps, CTAs, shared memory per SM and
 # the 1 KiB the runtime reserves per CTA. sm_90 = H100, sm_80 = A100.
@@ -269,11 +271,14 @@ class Analysis:
     dynamic: float         # warp-instructions of the whole launch
     dynamic_classes: dict  # the same for each reported class
     notes: list
+    mma_flops: float = 0.0  # tensor-core FLOPs of the whole launch (HMMA / HGMMA shapes)
+    chain: float = 0.0      # cycles of one program's dependent chain (bridge.timemodel)
 
     def as_dict(self) -> dict:
         return dict(instructions=self.instructions, loops=self.loops,
                     per_program=self.per_program, dynamic=self.dynamic,
-                    dynamic_classes=self.dynamic_classes, notes=self.notes)
+                    dynamic_classes=self.dynamic_classes, notes=self.notes,
+                    mma_flops=self.mma_flops, chain=self.chain)
 
 
 def analyze(cubin: bytes, ptx: str, trips, num_warps: int, sass: str = None,
@@ -353,11 +358,12 @@ def analyze(cubin: bytes, ptx: str, trips, num_warps: int, sass: str = None,
             if loc not in by_loc:
                 notes.append(f"{loc[0]}:{loc[1]}: not derivable in {n} programs")
 
-    dyn, dyn_c = 0.0, Counter()
+    dyn, dyn_c, flops = 0.0, Counter(), 0.0
     top_runs = programs - n_exit
     for i, o in zip(ins, owner):
         r = runs[o] if o >= 0 else top_runs
         dyn += r
+        flops += r * timemodel.mma_flops(i.op)
         for name, pat in CLASSES:
             if pat.match(i.op):
                 dyn_c[name] += r
@@ -377,8 +383,14 @@ def analyze(cubin: bytes, ptx: str, trips, num_warps: int, sass: str = None,
             classes={c: lp.classes.get(c, 0) for c in REPORTED},
             classes_nested={c: incl.get(c, 0) for c in REPORTED},
             runs=runs[k], runs_per_program=runs[k] / programs, trips=how[k]))
-    per_program = dyn / programs
-    return Analysis(instructions=len(ins), loops=out_loops, per_program=per_program,
+    # one program's chain: the code outside loops once, each loop body's steady state
+    # (two runs in a row, the second's cycles) x its runs per program
+    chain = timemodel.chain_cycles([i.text for i, o in zip(ins, owner) if o < 0])
+    for k, lp in enumerate(out_loops):
+        body = [i.text for i, o in zip(ins, owner) if o == k]
+        lp["chain"] = timemodel.chain_cycles(body, passes=2)
+        chain += lp["chain"] * lp["runs_per_program"]
+    return Analysis(instructions=len(ins), loops=out_loops, per_program=dyn / programs,
                     dynamic=dyn * num_warps,
                     dynamic_classes={c: dyn_c.get(c, 0.0) * num_warps for c in REPORTED},
-                    notes=notes)
+                    notes=notes, mma_flops=flops * num_warps, chain=chain)
