@@ -1,7 +1,7 @@
 """A time model per launch, from what the AOT report already has (no GPU).
 
-    t = time(rec, HARDWARE["H200"])      # rec: one bridge.aot / bridge.aot_fla launch record
-    t["total"], t["binds"]               # seconds, and which term sets them
+    t = launch_time(rec, HARDWARE["H200"])   # rec: a bridge.aot / bridge.aot_fla launch record
+    t["total"], t["binds"]                 # seconds, and which term sets them
 
 Per launch, each a time in seconds on one GPU of `HARDWARE`:
 
@@ -197,7 +197,7 @@ def waves(programs: int, ctas_per_sm: int, gpu: Gpu) -> int:
 FIELDS = ("programs", "bytes", "mma_flops", "chain", "dynamic_classes")
 
 
-def time(rec: dict, gpu: Gpu) -> dict:
+def launch_time(rec: dict, gpu: Gpu) -> dict:
     """Each term of `TERMS` (seconds) for one launch record, "waves", "total" =
     the largest term + LAUNCH_S, and "binds" = which term is the largest. The
     record's fields: bytes, mma_flops, dynamic, dynamic_classes["MUFU.EX2"],
@@ -226,7 +226,8 @@ def _time(rec: dict, gpu: Gpu) -> dict:
 
 def totals(recs, gpu: Gpu) -> dict:
     """{"fwd", "bwd", "fwd+bwd": seconds} of launch records (their "phase")."""
-    out = {p: sum(time(r, gpu)["total"] for r in recs if r["phase"] == p) for p in ("fwd", "bwd")}
+    out = {p: sum(launch_time(r, gpu)["total"] for r in recs if r["phase"] == p)
+           for p in ("fwd", "bwd")}
     out["fwd+bwd"] = out["fwd"] + out["bwd"]
     return out
 
@@ -253,7 +254,7 @@ def launch_markdown(recs, gpu: Gpu = HARDWARE["H200"], other: Gpu = HARDWARE["H1
              f"hbm us | tensor us | mufu us | issue us | chain us | binds | {gpu.name} us | "
              f"{other.name} us |", "|---" * 14 + "|"]
     for r in modelled(recs):
-        t, o = time(r, gpu), time(r, other)
+        t, o = launch_time(r, gpu), launch_time(r, other)
         name = f"`{r['kernel']}`" + (f" [{t['config']}]" if t.get("config") else "")
         lines.append(f"| {r['phase']} | {name} | {t['programs']} | {t['ctas_per_sm']} | "
                      f"{t['waves']} | {t['chain_cycles']:.0f} | "
@@ -271,7 +272,7 @@ def _share(recs, gpu: Gpu, phases) -> str:
     got = {}
     for r in recs:
         if r["phase"] in phases:
-            t = time(r, gpu)
+            t = launch_time(r, gpu)
             got[t["binds"]] = got.get(t["binds"], 0.0) + t["total"]
     whole = sum(got.values()) or 1.0
     return ", ".join(f"{k} {v / whole:.0%}" for k, v in sorted(got.items(), key=lambda kv: -kv[1]))
@@ -297,7 +298,7 @@ def compare_markdown(families: dict, measured: dict = None) -> str:
                     cells += [f"{m[i]:.3f}", f"{(s[key] * 1e3 - m[i]) / m[i]:+.0%}"]
                 else:
                     cells += ["-", "-"]
-            lines.append(f"| {label} | {T} | {gpu.name} | " + " | ".join(cells)
+            lines.append(f"| {label.split(' ')[0]} | {T} | {gpu.name} | " + " | ".join(cells)
                          + f" | {_share(recs, gpu, ('fwd', 'bwd'))} |")
     return "\n".join(lines)
 

@@ -28,18 +28,19 @@ def test_hardware_constants_match_the_datasheets():
 
 
 def test_each_term_against_its_closed_form():
-    t = timemodel.time(rec(bytes=4.8e9), H200)
+    t = timemodel.launch_time(rec(bytes=4.8e9), H200)
     assert t["hbm"] == pytest.approx(1e-3)
-    assert timemodel.time(rec(bytes=3.35e9), H100)["hbm"] == pytest.approx(1e-3)
-    assert timemodel.time(rec(mma_flops=989.4e9), H200)["tensor"] == pytest.approx(1e-3)
+    assert timemodel.launch_time(rec(bytes=3.35e9), H100)["hbm"] == pytest.approx(1e-3)
+    assert timemodel.launch_time(rec(mma_flops=989.4e9), H200)["tensor"] == pytest.approx(1e-3)
     # 132 SMs x 16 lanes a clock: 2112 x 1.83e9 / 32 warp-instructions a second
     n = 2112 * CLOCK / 32 * 1e-3
-    assert timemodel.time(rec(dynamic_classes={"MUFU.EX2": n}), H200)["mufu"] == \
+    assert timemodel.launch_time(rec(dynamic_classes={"MUFU.EX2": n}), H200)["mufu"] == \
         pytest.approx(1e-3)
     # 132 SMs x 4 schedulers
-    assert timemodel.time(rec(dynamic=528 * CLOCK * 1e-3), H200)["issue"] == pytest.approx(1e-3)
+    t = timemodel.launch_time(rec(dynamic=528 * CLOCK * 1e-3), H200)
+    assert t["issue"] == pytest.approx(1e-3)
     # 8192 programs, 2 a SM: ceil(8192 / 264) = 32 waves of 1830 cycles = 32 us
-    t = timemodel.time(rec(programs=8192, ctas_per_sm=2, chain=1830), H200)
+    t = timemodel.launch_time(rec(programs=8192, ctas_per_sm=2, chain=1830), H200)
     assert t["waves"] == 32 and t["chain"] == pytest.approx(32e-6)
 
 
@@ -52,11 +53,11 @@ def test_waves(programs, ctas, want):
 
 def test_the_largest_term_binds_and_sets_the_total():
     r = rec(bytes=4.8e9, mma_flops=2 * 989.4e9, dynamic=528 * CLOCK * 0.5e-3)
-    t = timemodel.time(r, H200)
+    t = timemodel.launch_time(r, H200)
     assert t["binds"] == "tensor" and t["total"] == pytest.approx(2e-3 + LAUNCH_S)
     # H100's HBM is slower: 4.8e9 / 3.35e12 = 1.43 ms, still under the tensor term
-    assert timemodel.time(r, H100)["binds"] == "tensor"
-    t = timemodel.time(rec(bytes=4.8e9, programs=1, chain=CLOCK * 3e-3), H200)
+    assert timemodel.launch_time(r, H100)["binds"] == "tensor"
+    t = timemodel.launch_time(rec(bytes=4.8e9, programs=1, chain=CLOCK * 3e-3), H200)
     assert t["binds"] == "chain" and t["total"] == pytest.approx(3e-3 + LAUNCH_S)
     recs = [rec(bytes=4.8e9), rec(phase="bwd", bytes=9.6e9)]
     s = timemodel.totals(recs, H200)
@@ -191,7 +192,7 @@ def test_recorded_totals_are_the_documented_ones():
     for rows, fwd, both in ((CHUNK, 0.947, 3.919), (FLA, 0.983, 3.870)):
         s = timemodel.totals(recorded(rows), H200)
         assert (round(s["fwd"] * 1e3, 3), round(s["fwd+bwd"] * 1e3, 3)) == (fwd, both)
-    binds = {r["kernel"]: timemodel.time(r, H200)["binds"] for r in recorded(CHUNK)}
+    binds = {r["kernel"]: timemodel.launch_time(r, H200)["binds"] for r in recorded(CHUNK)}
     assert binds["chunk_intra_kernel"] == binds["chunk_dqk_kernel"] == "chain"
     assert binds["chunk_gate_kernel"] == binds["chunk_output_kernel"] == "hbm"
 
