@@ -54,9 +54,9 @@ TENSOR_FLOPS_PER_CLOCK = 4096   # per SM, dense bf16 (above)
 # the Nvidia Hopper GPU Architecture", arXiv 2402.13499, and Jia et al.'s Volta/Turing
 # dissections for the classes they share): an instruction's result is ready this long after
 # it issues. gmem: a load that misses to HBM; smem also for constant and local (spill) loads,
-# which hit L1; hmma: one m16n8k16; hgmma: the fixed part of a
-# wgmma (plus its FLOPs at TENSOR_FLOPS_PER_CLOCK, which back-to-back wgmmas do not overlap);
-# bar: a bar.sync all warps reach together.
+# which hit L1; hmma: one m16n8k16; hgmma: the fixed part of a wgmma (plus its FLOPs at
+# TENSOR_FLOPS_PER_CLOCK, which back-to-back wgmmas do not overlap); bar: a bar.sync all warps
+# reach together.
 LATENCY = dict(alu=4, conv=6, mufu=18, shfl=24, smem=30, gmem=600, hmma=32, hgmma=32, bar=20,
                s2r=20)
 MUFU_CLOCKS_PER_WARP = 8         # 32 lanes at 4 a clock on one of the SM's 4 partitions

@@ -222,3 +222,16 @@ def test_the_model_ranks_chunk_and_fla_as_the_h200_does(phase):
     ours, fla = (timemodel.totals(recorded(r), H200)[phase] for r in (CHUNK, FLA))
     measured = timemodel.MEASURED_H200
     assert (ours < fla) == (measured[("chunk", 4096)][i] < measured[("fla", 4096)][i])
+
+
+def test_the_tables_carry_each_launch_and_the_totals():
+    text = timemodel.launch_markdown([dict(r, target="sm_90") for r in recorded(CHUNK)])
+    rows = [line for line in text.splitlines() if line.startswith("| fwd") or
+            line.startswith("| bwd")]
+    assert len(rows) == len(CHUNK)
+    dqk = next(line for line in rows if "chunk_dqk_kernel" in line).split(" | ")
+    assert dqk[11] == "chain" and dqk[4] == "125"          # ceil(32768 / 264) waves
+    assert "H200 SXM: fwd 0.947 ms, fwd+bwd 3.919 ms." in text
+    table = timemodel.compare_markdown({"chunk 4096": (4096, recorded(CHUNK))},
+                                       timemodel.MEASURED_H200)
+    assert "| chunk | 4096 | H200 SXM | 0.947 | 1.558 | -39% | 3.919 | 6.384 | -39% |" in table
