@@ -295,7 +295,7 @@ def compare_markdown(families: dict, measured: dict = None) -> str:
             for key, i in (("fwd", 0), ("fwd+bwd", 1)):
                 cells.append(f"{s[key] * 1e3:.3f}")
                 if m:
-                    cells += [f"{m[i]:.3f}", f"{(s[key] * 1e3 - m[i]) / m[i]:+.0%}"]
+                    cells += [f"{m[i]:.3f}", f"{(s[key] * 1e3 - m[i]) / m[i]:+.1%}"]
                 else:
                     cells += ["-", "-"]
             lines.append(f"| {label.split(' ')[0]} | {T} | {gpu.name} | " + " | ".join(cells)

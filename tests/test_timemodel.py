@@ -234,4 +234,4 @@ def test_the_tables_carry_each_launch_and_the_totals():
     assert "H200 SXM: fwd 0.947 ms, fwd+bwd 3.919 ms." in text
     table = timemodel.compare_markdown({"chunk 4096": (4096, recorded(CHUNK))},
                                        timemodel.MEASURED_H200)
-    assert "| chunk | 4096 | H200 SXM | 0.947 | 1.558 | -39% | 3.919 | 6.384 | -39% |" in table
+    assert "| chunk | 4096 | H200 SXM | 0.947 | 1.558 | -39.2% | 3.919 | 6.384 | -38.6% |" in table
