@@ -330,8 +330,9 @@ SITES = {
 
 def config(plan) -> dict:
     """Block sizes: all of K in one block, V split so the fp32 state tile holds
-    at most 4096 values (16-32 registers a thread at 4 warps); the device table's
-    "tiles" entry when it has one."""
+    at most 4096 values (16-32 registers a thread at 4 warps), in blocks of at least
+    16 (K = 512: 8192 values, still without spills; fewer would multiply the dq'/dk'
+    partials, NV x K a token); the device table's "tiles" entry when it has one."""
     check_k(plan, "fused_recurrent")
     BK = next_pow2(plan.K)
     BV = tuning.pick(plan, "fused_recurrent", "tiles",
