@@ -4,7 +4,7 @@ and gradients, fp32 and bf16; and dispatch: "auto" never picks a family or platf
 refuses the call's head dims (bridge.dispatch.HEAD_DIMS), a named one refuses before any
 kernel.
 
-The interpreter runs these (one chunk, one head: about 5-20 s a case here)."""
+The interpreter runs these (one chunk, one head: 7-14 s a case on this 2-core machine)."""
 
 import numpy as np
 import pytest

@@ -436,7 +436,8 @@ def _combine(plan, use_dht, NV, combine_bk, bvf, dfa, dfb, dgamma_part) -> Launc
                      db=Out("db", (B, T, H, V)) if plan.gv else None),
         constexprs=dict(flags(plan), BK=combine_bk, BVF=bvf, NV=NV, USE_H0=plan.initial_state,
                         USE_DHT=use_dht),
-        num_warps=1)
+        # a warp per 256 values of its widest row: at K or V = 512 one warp spilled (sm_90)
+        num_warps=max(1, max(combine_bk, bvf) // 256))
 
 
 # ---------------------------------------------------------------- HBM traffic
