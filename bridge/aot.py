@@ -32,6 +32,7 @@ import re
 import sys
 import time
 
+from . import dispatch
 from .contract import ARGS, nbytes
 from .launch import resolve_dtype
 
@@ -68,6 +69,9 @@ def _variants():
         out.append((f"all-{dtype}", plan(dtype=dtype, **everything)))
     for K, V in ((16, 16), (32, 48), (100, 100), (128, 128), (256, 256), (256, 64)):
         out.append((f"K{K}-V{V}", plan(K=K, V=V, g="head", gv=True, h0=True)))
+    # the widest heads (dispatch.HEAD_DIMS; families that refuse them are skipped)
+    out += [("K512-V512-key-bf16", plan(K=512, V=512, g="key", dtype="bfloat16")),
+            ("K512-V512-all-bf16", plan(K=512, V=512, dtype="bfloat16", **everything))]
     return out
 
 
@@ -606,6 +610,8 @@ def _stages(families, plan):
     """(stage, launches, dtypes) of each family's forward and backward lists for
     `plan`; a buffer the forward writes keeps its dtype in the backward."""
     for fam in families:
+        if dispatch.refusal(plan, fam.__name__.rsplit(".", 1)[1]) is not None:
+            continue
         lists = [("fwd", fam.forward_launches(plan)),
                  ("bwd", fam.backward_launches(plan, use_dht=True)),
                  ("bwd-nodht", fam.backward_launches(plan, False))]

@@ -19,6 +19,12 @@ from .contract import INPUTS, TOKENS, Plan
 MODES = ("auto", "chunk", "fused_recurrent", "fused_chunk")
 # the families that only the Triton platform runs ("chunk" is every platform's chunked form)
 TRITON_ONLY = ("fused_recurrent", "fused_chunk")
+# The largest head dims (K, V) each Triton family takes (None: no limit). chunk and
+# fused_recurrent block K and V over loops and programs; up to 512 (fla's range) they are
+# tested against the oracle and build without register spills (`python -m bridge.aot
+# --report`); fused_chunk holds all of K of its state in one block. The torch, XLA and
+# Pallas platforms take any head dims.
+HEAD_DIMS = {"chunk": (512, 512), "fused_recurrent": (512, 512), "fused_chunk": (256, None)}
 
 
 class Call(NamedTuple):
@@ -38,8 +44,29 @@ def prepare(inputs: dict, *, softmax_scale, reverse, cu_seqlens, platform, mode,
     kernel."""
     plan = contract.check(**inputs, softmax_scale=softmax_scale, reverse=reverse,
                           cu_seqlens=cu_seqlens, memo=memo)
-    platform = route(platform, mode, platforms, fallback, gpu=gpu, tpu=tpu)
-    return Call(plan, platform, kernel_mode(mode, plan) if platform == "triton" else platform)
+    chosen = route(platform, mode, platforms, fallback, gpu=gpu, tpu=tpu)
+    if chosen != "triton":
+        return Call(plan, chosen, chosen)
+    kernel = kernel_mode(mode, plan)
+    why = refusal(plan, kernel)
+    if why is None:
+        return Call(plan, chosen, kernel)
+    if platform == "auto" and mode not in TRITON_ONLY:
+        # the framework's own chunked path takes any head dims
+        return Call(plan, fallback, fallback)
+    raise ValueError(why + (f" (mode='chunk' or 'auto' with platform='auto' or '{fallback}' "
+                            f"runs any head dims)"))
+
+
+def refusal(plan: Plan, kernel: str) -> str | None:
+    """Why the Triton family `kernel` refuses the plan's head dims (`HEAD_DIMS`), as a
+    ValueError message naming q or v; None when it takes them."""
+    max_k, max_v = HEAD_DIMS[kernel]
+    if plan.K > max_k:
+        return f"q: mode='{kernel}' supports K <= {max_k}, got K={plan.K}"
+    if max_v is not None and plan.V > max_v:
+        return f"v: mode='{kernel}' supports V <= {max_v}, got V={plan.V}"
+    return None
 
 
 def batched(plan: Plan, inputs: dict, new_axis: Callable) -> dict:
@@ -132,9 +159,11 @@ def kernel_costs(plan: Plan) -> dict:
 
 def kernel_mode(mode: str, plan: Plan) -> str:
     """Resolve the Triton kernel family: `mode` itself when named, else "chunk" or
-    "fused_recurrent" (mode="auto": the cheaper by `kernel_costs`; the fused kernel
-    on a tie; "fused_chunk" only by name until a GPU has ranked it)."""
+    "fused_recurrent" (mode="auto": the cheaper by `kernel_costs` of those that take
+    the plan's head dims, `refusal`; the fused kernel on a tie; "fused_chunk" only by
+    name until a GPU has ranked it)."""
     if mode != "auto":
         return mode
     cost = kernel_costs(plan)
-    return "fused_recurrent" if cost["fused_recurrent"] <= cost["chunk"] else "chunk"
+    return min(("fused_recurrent", "chunk"),
+               key=lambda m: (refusal(plan, m) is not None, cost[m]))

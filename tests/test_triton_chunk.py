@@ -224,11 +224,14 @@ def test_offsets_are_int64_past_2_31():
     assert [int(x) for x in state] == want_state and want_state[0] > 2 ** 32
 
 
-def test_k_too_large_raises():
-    qk = np.zeros((1, 2, 1, 300), np.float32)
-    plan = contract.check(qk, qk, np.zeros((1, 2, 1, 8), np.float32))
-    with pytest.raises(ValueError, match="^q: mode='chunk' supports K <= 256"):
-        chunk.forward_launches(plan)
+def test_head_dims_past_the_limit_raise():
+    """K or V past 512 (dispatch.HEAD_DIMS): a ValueError naming q or v from the plans."""
+    qk, v = np.zeros((1, 2, 1, 513), np.float32), np.zeros((1, 2, 1, 8), np.float32)
+    with pytest.raises(ValueError, match="^q: mode='chunk' supports K <= 512, got K=513"):
+        chunk.forward_launches(contract.check(qk, qk, v))
+    qk, v = np.zeros((1, 2, 1, 8), np.float32), np.zeros((1, 2, 1, 600), np.float32)
+    with pytest.raises(ValueError, match="^v: mode='chunk' supports V <= 512, got V=600"):
+        chunk.backward_launches(contract.check(qk, qk, v), use_dht=True)
 
 
 def test_autotuned_launch_matches_the_plan_config(monkeypatch):

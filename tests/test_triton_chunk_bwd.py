@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton")
 
 import bridge.kernels  # noqa: E402,F401  (decides the interpreter before triton is imported)
 from bridge import contract, grads, torch_runner  # noqa: E402
-from bridge.kernels import chunk, chunk_bwd  # noqa: E402
+from bridge.kernels import chunk, chunk_scan  # noqa: E402
 from parity import backends, cases  # noqa: E402
 from parity.compare import assert_close, errors, tolerance  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -103,7 +103,7 @@ def test_value_gate_over_several_value_blocks():
                          ids=lambda g: next(iter(g)))
 def test_gates_in_the_inputs_dtype(dtype, gates):
     """A single gate given in q's 16-bit dtype is scanned in one exact piece
-    (chunk_bwd.decay_pieces); gates elsewhere in these tests are fp32 (three)."""
+    (chunk_scan.decay_pieces); gates elsewhere in these tests are fp32 (three)."""
     case = C("gate-like-q", T=150, H=2, Hk=1, K=16, V=16, initial_state=True, **gates)
     assert_close(run_case(case, dtype, gates_like_q=True), dtype)
 
@@ -113,7 +113,7 @@ def _table_kernel(tab, BT: tl.constexpr, LEVELS: tl.constexpr):
     i = tl.program_id(0)
     o_t = tl.arange(0, BT)
     tl.store(tab + i * BT * BT + o_t[:, None] * BT + o_t[None, :],
-             chunk_bwd.scan_matrix(i, BT, LEVELS, tl.float32))
+             chunk_scan.scan_matrix(i, BT, LEVELS, tl.float32))
 
 
 def _table():

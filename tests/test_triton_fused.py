@@ -175,10 +175,10 @@ def test_launch_costs():
 
 
 def test_errors_before_any_kernel():
-    q = torch.zeros(1, 4, 2, 300)
-    k = torch.zeros(1, 4, 2, 300)
+    q = torch.zeros(1, 4, 2, 600)
+    k = torch.zeros(1, 4, 2, 600)
     v = torch.zeros(1, 4, 2, 8)
-    with pytest.raises(ValueError, match="^q: mode='fused_recurrent' supports K <= 256"):
+    with pytest.raises(ValueError, match="^q: mode='fused_recurrent' supports K <= 512"):
         torch_side.recurrent(q, k, v, platform="triton", mode="fused_recurrent")
     with pytest.raises(ValueError, match="^platform:"):
         torch_side.recurrent(q, k, v, platform="tpu")

@@ -11,17 +11,7 @@ With h the state at each chunk start, dh the state gradient at each chunk end
                       + dA^T q (gated), and the key-gate gradient da
   chunk_dgamma_kernel the constant decay's gradient per (sequence, head)
 
-Decays by 0/1 matrices: every sum of consecutive log decays a kernel needs (from
-the chunk start, to the chunk end, within the blocks of a level) is one product
-of a table matrix with the [BT, D] decay tile on tensor cores, the tile in one
-piece of the table's 16-bit dtype when it is one gate of that dtype, else in
-three (exact to fp32); exponentials are exp2 of log2(e)-scaled sums. The pairs
-s < t inside a chunk split into LEVELS = log2(BT) levels by the highest bit in
-which t and s differ; a level's decay factors into F_l(t) F_l(s), both
-exponentials of sums of consecutive decays (<= 0: no overflow, no differences
-of running sums), so each level is one [BT, BT] x [BT, D] product with dA
-masked to its pairs (_levels_into): no per-row loops, no cross-warp reductions,
-one exponential tile serving dq and dk.
+Decays by 0/1 matrices (the scan table and its products): chunk_scan.py.
 
 Gate gradients (notation of fused_recurrent.py): da_r = sum_{t >= r}
 (q dq' - k dk')_t + sum_V dh_end S_end, where the primed gradients leave out the
@@ -38,10 +28,10 @@ cancelling terms (in fp16 the cancellation of separately rounded products lost
 import triton
 import triton.language as tl
 
-from .common import (block_rows, decay_k, decay_v, first_slot, head_gamma, load_rows, seq_bounds,
-                     slot_chunk)
-
-LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E): one MUFU.EX2
+from .chunk_scan import (decay_pieces, levels_into, scan, scan_matrix, scan_v, split_pieces,
+                         sum_rows, to_chunk_end)
+from .common import (LOG2E, block_rows, decay_k, decay_v, first_slot, head_gamma, load_rows,
+                     seq_bounds, slot_chunk)
 
 
 @triton.jit
@@ -57,7 +47,7 @@ def chunk_dA_kernel(
     """dA [B,T,H,BT] fp32 (0 above the diagonal), one program per (chunk, head),
     and the scan table tab [2 LEVELS + 3, BT, BT] for the later launches
     (scan_matrix; written by the first program). With gv, pairs by levels as
-    in _levels_into: level l adds (do F_l)(v F_l)^T on its pairs, F_l from the
+    in levels_into: level l adds (do F_l)(v F_l)^T on its pairs, F_l from the
     value decays (its matrices made in registers: the table is being written)."""
     i_s, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (H // HK)
@@ -84,10 +74,10 @@ def chunk_dA_kernel(
             acc += tl.where(o_t[:, None] == o_t[None, :], tl.dot(
                 b_do.to(op), tl.trans(b_v.to(op)), input_precision=DOT_PREC), 0.)
             PV: tl.constexpr = decay_pieces(sop, gv.dtype.element_ty, True)
-            b0, b1, b2 = _split(decay_v(gv, rows, mask_t, i_h, o_v, mask_v, H, V, True, BT, BV),
-                                sop, PV)
+            b0, b1, b2 = split_pieces(
+                decay_v(gv, rows, mask_t, i_h, o_v, mask_v, H, V, True, BT, BV), sop, PV)
             for lw in range(0, LEVELS):
-                f = tl.exp2(_scan(tab, lw, b0, b1, b2, BT, PV, scan_matrix(lw, BT, LEVELS, sop))
+                f = tl.exp2(scan(tab, lw, b0, b1, b2, BT, PV, scan_matrix(lw, BT, LEVELS, sop))
                             * LOG2E)
                 pair = scan_matrix(LEVELS + 2 + lw, BT, LEVELS, tl.float32)
                 acc += pair * tl.dot(
@@ -110,7 +100,7 @@ def chunk_dv_kernel(
 ):
     """dv per query head [B,T,H,V] for one chunk and V block (one block at
     V <= 128 for 16-bit inputs); with gv also db [B,T,H,V] fp32, the pairs
-    inside the chunk by levels with the value decays' factors (_levels_into)."""
+    inside the chunk by levels with the value decays' factors (levels_into)."""
     i_s, i_v, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (H // HK)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
@@ -138,7 +128,7 @@ def chunk_dv_kernel(
             mask_k = o_k < K
             b_k = load_rows(k, rows_c, i_hk, o_k, mask_c, mask_k, HK, K)
             if KGATE:
-                b_k = _to_chunk_end(b_k, decay_k(g, gk, gamma, rows_c, mask_c, i_h, o_k, mask_k,
+                b_k = to_chunk_end(b_k, decay_k(g, gk, gamma, rows_c, mask_c, i_h, o_k, mask_k,
                                                  H, K, BT, BK, G_MODE, USE_GK, GAMMA_MODE),
                                     g, gk, tab, BT, LEVELS, G_MODE, USE_GK, GAMMA_MODE)
             b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :],
@@ -150,7 +140,7 @@ def chunk_dv_kernel(
         PV: tl.constexpr = decay_pieces(sop, gv.dtype.element_ty, True)
         b = decay_v(gv, rows_c, mask_c, i_h, o_v, mask_v, H, V, True, BT, BV)
         e_b = tl.exp2(tl.sum(b, 0) * LOG2E)  # the value decay over the whole chunk [BV]
-        b0, b1, b2 = _split(b, sop, PV)
+        b0, b1, b2 = split_pieces(b, sop, PV)
         # through the chunk end's state gradient: (k gated) dh, decayed to the chunk end
         acc_s = tl.zeros([BT, BV], dtype=tl.float32)
         start = tl.zeros([BV], dtype=tl.float32)  # sum_K dh_end h_start exp(A_c), for db
@@ -167,15 +157,15 @@ def chunk_dv_kernel(
                 a = decay_k(g, gk, gamma, rows_c, mask_c, i_h, o_k, mask_k, H, K, BT, BK, G_MODE,
                             USE_GK, GAMMA_MODE)
                 b_hdh *= tl.exp2(tl.sum(a, 0) * LOG2E)[:, None]
-                b_k = _to_chunk_end(b_k, a, g, gk, tab, BT, LEVELS, G_MODE, USE_GK, GAMMA_MODE)
+                b_k = to_chunk_end(b_k, a, g, gk, tab, BT, LEVELS, G_MODE, USE_GK, GAMMA_MODE)
             start += tl.sum(b_hdh, 0)
             acc_s += tl.dot(b_k, b_dh.to(op), input_precision=DOT_PREC)
-        acc_s *= tl.exp2(_scan(tab, LEVELS + 1, b0, b1, b2, BT, PV) * LOG2E)
+        acc_s *= tl.exp2(scan(tab, LEVELS + 1, b0, b1, b2, BT, PV) * LOG2E)
         # inside the chunk: A^T (by transposed addresses) times do, by levels
         b_at = tl.load(A + (rows_c[None, :] * H + i_h) * BT + o_t[:, None], mask=mask_c[None, :],
                        other=0.)
         b_do = load_rows(do, rows_c, i_h, o_v, mask_c, mask_v, H, V)
-        acc_i = _levels_into(tl.zeros([BT, BV], dtype=tl.float32), b_at.to(op), b_do, tab, b0,
+        acc_i = levels_into(tl.zeros([BT, BV], dtype=tl.float32), b_at.to(op), b_do, tab, b0,
                              b1, b2, BT, LEVELS, PV, False, True, DOT_PREC)
         a_self = tl.load(A + (rows_c * H + i_h) * BT + o_t, mask=mask_c, other=0.)
         m_o = mask_c[:, None] & mask_v[None, :]
@@ -187,149 +177,11 @@ def chunk_dv_kernel(
         b_v = load_rows(v, rows_c, i_hk, o_v, mask_c, mask_v, HK, V).to(tl.float32)
         x = tl.load(odo + (rows_c[:, None] * H + i_h) * V + o_v[None, :], mask=m_o,
                     other=0.) - b_v * acc_i
-        b_db = (_sum_rows(tab, LEVELS, x, BT) + _sum_rows(tab, LEVELS + 1, b_v * acc_s, BT)
+        b_db = (sum_rows(tab, LEVELS, x, BT) + sum_rows(tab, LEVELS + 1, b_v * acc_s, BT)
                 + (start * e_b)[None, :])
         if not USE_H0:  # as for da in chunk_dqk_kernel
             b_db = tl.where(((o_t == 0) & (p0 == 0))[:, None], 0., b_db)
         tl.store(db + (rows_c[:, None] * H + i_h) * V + o_v[None, :], b_db, mask=m_o)
-
-
-@triton.jit
-def scan_matrix(i, BT: tl.constexpr, LEVELS: tl.constexpr, dtype: tl.constexpr):
-    """Matrix i [BT, BT] of the scan table (0/1 in `dtype`); chunk_dA_kernel
-    writes all 2 LEVELS + 3 of them. The pairs s < t of a chunk split into
-    levels by the highest bit l in which t and s differ (t has it set, s not).
-    Matrix l < LEVELS: times a [BT, D] tile of per-step log decays, the sums F_l
-    exponentiates: row t sums over t's aligned block of 2^l positions, from its
-    start to t where bit l of t is set, else from t + 1 to its end; so for a
-    pair of level l, F_l(t) F_l(s) is the decay from s to t, a product of two
-    exponentials of sums of consecutive decays, both <= 0. Matrix LEVELS: from
-    the chunk start to t; LEVELS + 1: from t + 1 to the chunk end. Matrix
-    LEVELS + 2 + l: the pairs (t, s) of level l; 2 LEVELS + 2: all pairs s < t."""
-    t = tl.arange(0, BT)[:, None]
-    r = tl.arange(0, BT)[None, :]
-    lw = tl.where(i < LEVELS, i, i - LEVELS - 2)
-    upper = ((t >> lw) & 1) == 1
-    m = ((t >> lw) == (r >> lw)) & tl.where(upper, r <= t, r > t)
-    m = tl.where(i == LEVELS, r <= t, m)
-    m = tl.where(i == LEVELS + 1, r > t, m)
-    m = tl.where(i >= LEVELS + 2, (((t ^ r) >> lw) == 1) & (t > r), m)
-    m = tl.where(i == 2 * LEVELS + 2, t > r, m)
-    return tl.where(m, 1., 0.).to(dtype)
-
-
-@triton.constexpr_function
-def decay_pieces(op, gate, one_gate):
-    """How many tiles of the table's 16-bit dtype `op` hold a tile of log
-    decays (or other fp32 values) exactly for a tensor-core product with a 0/1
-    matrix: 1 when they are one gate of that dtype, else 3 (24 bits, as fp32)."""
-    return 1 if one_gate and gate == op else 3
-
-
-@triton.jit
-def _split(a, op: tl.constexpr, PIECES: tl.constexpr):
-    """a [BT, D] (fp32, or fp64 rounded to fp32) as PIECES tiles of dtype op
-    summing to it (see decay_pieces)."""
-    a = a.to(tl.float32)
-    a0 = a.to(op)
-    if PIECES == 1:
-        return a0, a0, a0
-    r1 = a - a0.to(tl.float32)
-    a1 = r1.to(op)
-    return a0, a1, (r1 - a1.to(tl.float32)).to(op)
-
-
-@triton.jit
-def _scan(tab, idx, a0, a1, a2, BT: tl.constexpr, PIECES: tl.constexpr, m=None):
-    """Table matrix `idx` (or the given m) times a0 + a1 + a2 [BT, D] (the
-    first PIECES of them, see decay_pieces), fp32 [BT, D]."""
-    o_t = tl.arange(0, BT)
-    if m is None:
-        m = tl.load(tab + idx * BT * BT + o_t[:, None] * BT + o_t[None, :])
-    s = tl.dot(m, a0)
-    if PIECES > 1:
-        s += tl.dot(m, a1)
-        s += tl.dot(m, a2)
-    return s
-
-
-@triton.jit
-def _sum_rows(tab, idx, x, BT: tl.constexpr):
-    """(table matrix idx)^T x for an fp32 [BT, D] x: matrix LEVELS gives the
-    sums over rows r >= t, LEVELS + 1 over r < t (x in pieces, as decays)."""
-    o_t = tl.arange(0, BT)
-    m = tl.load(tab + idx * BT * BT + o_t[None, :] * BT + o_t[:, None])
-    sop = tab.dtype.element_ty
-    PIECES: tl.constexpr = decay_pieces(sop, tl.float32, False)
-    x0, x1, x2 = _split(x, sop, PIECES)
-    return _scan(tab, idx, x0, x1, x2, BT, PIECES, m)
-
-
-@triton.jit
-def _levels_into(acc, b_a, b_x, tab, a0, a1, a2, BT: tl.constexpr, LEVELS: tl.constexpr,
-                 PIECES: tl.constexpr, LATER: tl.constexpr, KGATE: tl.constexpr,
-                 DOT_PREC: tl.constexpr):
-    """acc [BT, D] plus the pairs inside the chunk, level by level: row t of
-    acc gets sum_s b_a[t, s] b_x[s] times the decay between s and t, b_a [BT, BT]
-    dA (LATER: acc's rows are its rows, for dq) or dA^T (for dk); only the
-    pairs s < t count. With F the level's factor
-    (chunk_scan_table_kernel), each level is one product, (b_a masked to the
-    level's pairs) x (b_x F), scaled by F; the masked b_a picks the right rows
-    of both. A runtime loop, so that one level's tiles are live at a time."""
-    o_t = tl.arange(0, BT)
-    # without decays one product over all pairs, but for fp32 (FMA products,
-    # whose operands ptxas then spills) the level loop's masked products
-    ONE: tl.constexpr = (not KGATE) & (b_x.dtype != tl.float32) & (b_x.dtype != tl.float64)
-    for lw in range(0, 1 if ONE else LEVELS):
-        if not ONE:
-            f = tl.exp2(_scan(tab, lw, a0, a1, a2, BT, PIECES) * LOG2E)
-            p_pair = tab + (LEVELS + 2 + lw) * BT * BT
-        else:  # no decays: one product over all pairs
-            f = tl.full([BT, 1], 1., tl.float32)
-            p_pair = tab + (2 * LEVELS + 2) * BT * BT
-        if LATER:
-            pair = tl.load(p_pair + o_t[:, None] * BT + o_t[None, :])
-        else:  # by transposed addresses, in the layout of b_a's transposed load
-            pair = tl.load(p_pair + o_t[None, :] * BT + o_t[:, None])
-        b_w = (b_a.to(tl.float32) * pair.to(tl.float32)).to(b_a.dtype)
-        # b_x F in two pieces of its dtype (16 bits of mantissa): rounded to one,
-        # the dq and dk sides of a pair round differently and the gate gradient,
-        # where the two cancel, loses the difference (5x on dg, see SPEC.md)
-        y = f * b_x.to(tl.float32)
-        y0 = y.to(b_x.dtype)
-        if (b_x.dtype == tl.float32) | (b_x.dtype == tl.float64) | ONE:
-            p = tl.dot(b_w, y0, input_precision=DOT_PREC)
-        else:
-            p = tl.dot(b_w, (y - y0.to(tl.float32)).to(b_x.dtype), input_precision=DOT_PREC)
-            p = tl.dot(b_w, y0, p, input_precision=DOT_PREC)
-        acc += f * p
-    return acc
-
-
-@triton.jit
-def _to_chunk_end(b_k, a, g, gk, tab, BT: tl.constexpr, LEVELS: tl.constexpr,
-                  G_MODE: tl.constexpr, USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr):
-    """Keys b_k [BT, BK] decayed to the chunk end by the key decays a [BT, BK]
-    (token s by sum_{r > s} a_r), in b_k's dtype."""
-    sop = tab.dtype.element_ty
-    ONE: tl.constexpr = (((G_MODE == 2) & (not USE_GK)) | ((G_MODE == 0) & USE_GK)) & (
-        GAMMA_MODE == 0)
-    gate = (g if G_MODE == 2 else gk) if ONE else tab  # (tab: never an absent pointer)
-    PIECES: tl.constexpr = decay_pieces(sop, gate.dtype.element_ty, ONE)
-    a0, a1, a2 = _split(a, sop, PIECES)
-    return (b_k.to(tl.float32) * tl.exp2(_scan(tab, LEVELS + 1, a0, a1, a2, BT, PIECES)
-                                         * LOG2E)).to(b_k.dtype)
-
-
-@triton.jit
-def _scan_v(gv, tab, rows, mask_t, i_h, o_v, mask_v, idx, H: tl.constexpr, V: tl.constexpr,
-            BT: tl.constexpr, BV: tl.constexpr):
-    """_scan of the value-side decays gv over one V block."""
-    b = decay_v(gv, rows, mask_t, i_h, o_v, mask_v, H, V, True, BT, BV)
-    sop = tab.dtype.element_ty
-    PV: tl.constexpr = decay_pieces(sop, gv.dtype.element_ty, True)
-    b0, b1, b2 = _split(b, sop, PV)
-    return _scan(tab, idx, b0, b1, b2, BT, PV)
 
 
 @triton.jit
@@ -398,7 +250,7 @@ def chunk_dqk_kernel(
     a = decay_k(g, gk, gamma, rows, mask_t, i_h, o_k, mask_k, H, K, BT, BK, G_MODE, USE_GK,
                 GAMMA_MODE)
     e_c = tl.exp2(tl.sum(a, 0) * LOG2E)  # the decay over the whole chunk [BK]
-    a0, a1, a2 = _split(a, sop, PIECES)
+    a0, a1, a2 = split_pieces(a, sop, PIECES)
 
     # dq through the chunk start's state: scale (do gated) h^T, decayed from the start
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
@@ -408,13 +260,13 @@ def chunk_dqk_kernel(
         b_do = load_rows(do, rows, i_h, o_v, mask_t, mask_v, H, V)
         if USE_GV:
             b_do = (b_do.to(tl.float32) * tl.exp2(
-                _scan_v(gv, tab, rows, mask_t, i_h, o_v, mask_v, LEVELS, H, V, BT, BV)
+                scan_v(gv, tab, rows, mask_t, i_h, o_v, mask_v, LEVELS, H, V, BT, BV)
                 * LOG2E)).to(op)
         b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :],
                       mask=mask_k[:, None] & mask_v[None, :], other=0.)
         b_dq += tl.dot(b_do, tl.trans(b_h.to(op)), input_precision=DOT_PREC)
     if KGATE:
-        b_dq *= tl.exp2(_scan(tab, LEVELS, a0, a1, a2, BT, PIECES) * LOG2E)
+        b_dq *= tl.exp2(scan(tab, LEVELS, a0, a1, a2, BT, PIECES) * LOG2E)
     if GAMMA_MODE > 0:
         pos = o_t.to(tl.float32)[:, None]
         n_c = tl.minimum(eos - bos - p0, BT).to(tl.float32)
@@ -430,7 +282,7 @@ def chunk_dqk_kernel(
                           other=0.)
             dgamma += tl.sum(tl.sum(dist.to(tl.float32) * b_a.to(tl.float32) * b_da, 1), 0)
     # (the level masks keep only pairs s < t: no mask here; dA's scale goes on after)
-    b_dq = _levels_into(b_dq, b_da.to(op), b_k, tab, a0, a1, a2, BT, LEVELS, PIECES, True,
+    b_dq = levels_into(b_dq, b_da.to(op), b_k, tab, a0, a1, a2, BT, LEVELS, PIECES, True,
                         KGATE, DOT_PREC) * scale
     p_self = dA + (rows * H + i_h) * BT + o_t  # dA[t, t]: the step's own q.k term
     d_self = tl.load(p_self, mask=mask_t, other=0.) * scale
@@ -444,7 +296,7 @@ def chunk_dqk_kernel(
     # transpose in registers, no dA tile live through the dq store)
     b_dat = tl.load(dA + (rows[None, :] * H + i_h) * BT + o_t[:, None], mask=mask_t[None, :],
                     other=0.)
-    b_dk = _levels_into(tl.zeros([BT, BK], dtype=tl.float32), b_dat.to(op), b_q, tab, a0, a1,
+    b_dk = levels_into(tl.zeros([BT, BK], dtype=tl.float32), b_dat.to(op), b_q, tab, a0, a1,
                         a2, BT, LEVELS, PIECES, False, KGATE, DOT_PREC) * scale
     if KGATE:
         x -= b_k.to(tl.float32) * b_dk
@@ -463,7 +315,7 @@ def chunk_dqk_kernel(
                             other=0.).to(tl.float32) * b_dh.to(tl.float32)
         if USE_GV:
             b_v = (b_v.to(tl.float32) * tl.exp2(
-                _scan_v(gv, tab, rows, mask_t, i_h, o_v, mask_v, LEVELS + 1, H, V, BT, BV)
+                scan_v(gv, tab, rows, mask_t, i_h, o_v, mask_v, LEVELS + 1, H, V, BT, BV)
                 * LOG2E)).to(op)
             if KGATE:
                 b_hdh *= tl.exp2(tl.sum(decay_v(gv, rows, mask_t, i_h, o_v, mask_v, H, V, USE_GV,
@@ -472,7 +324,7 @@ def chunk_dqk_kernel(
             start += tl.sum(b_hdh, 1)
         b_dks += tl.dot(b_v, tl.trans(b_dh.to(op)), input_precision=DOT_PREC)
     if KGATE:
-        b_dks *= tl.exp2(_scan(tab, LEVELS + 1, a0, a1, a2, BT, PIECES) * LOG2E)
+        b_dks *= tl.exp2(scan(tab, LEVELS + 1, a0, a1, a2, BT, PIECES) * LOG2E)
         start *= e_c
     d_self = tl.load(p_self, mask=mask_t, other=0.) * scale
     b_self = d_self[:, None] * load_rows(q, rows, i_h, o_k, mask_t, mask_k, H, K).to(tl.float32)
@@ -486,7 +338,7 @@ def chunk_dqk_kernel(
         # da_r = sum_{t >= r} (q dq' - k dk')_t + sum_V dh_end S_end, where S_end
         # holds the chunk's own k v^T terms: their part sum_t k_t dk_state_t
         # cancels the state part of dk' for t >= r exactly, leaving t < r
-        b_g = (_sum_rows(tab, LEVELS, x, BT) + _sum_rows(tab, LEVELS + 1, y, BT)
+        b_g = (sum_rows(tab, LEVELS, x, BT) + sum_rows(tab, LEVELS + 1, y, BT)
                + start[None, :])
         if not USE_H0:
             # a sequence's first decay acts on a zero state: its gradient is 0

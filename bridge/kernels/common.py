@@ -6,8 +6,7 @@ import triton
 import triton.language as tl
 
 from ..decay import RESET_FLOOR
-
-MAX_K = 256  # both families hold all of K (or its blocks) of a row on chip
+from ..dispatch import refusal
 
 
 @triton.jit
@@ -38,8 +37,13 @@ def next_pow2(n: int) -> int:
 
 
 def check_k(plan, mode: str) -> None:
-    if plan.K > MAX_K:
-        raise ValueError(f"q: mode='{mode}' supports K <= {MAX_K}, got K={plan.K}")
+    """A ValueError naming q or v when family `mode` refuses the plan's head dims: the
+    limits are bridge.dispatch.HEAD_DIMS (K, V <= 512 for chunk and fused_recurrent, which
+    block both over loops and programs; K <= 256 for fused_chunk), so that dispatch's
+    "auto" never picks a family that refuses the call."""
+    why = refusal(plan, mode)
+    if why is not None:
+        raise ValueError(why)
 
 
 def flags(plan) -> dict:

@@ -330,8 +330,9 @@ SITES = {
 
 def config(plan) -> dict:
     """Block sizes: all of K in one block, V split so the fp32 state tile holds
-    at most 4096 values (16-32 registers a thread at 4 warps); the device table's
-    "tiles" entry when it has one."""
+    at most 4096 values (16-32 registers a thread at 4 warps), in blocks of at least
+    16 (K = 512: 8192 values, still without spills; fewer would multiply the dq'/dk'
+    partials, NV x K a token); the device table's "tiles" entry when it has one."""
     check_k(plan, "fused_recurrent")
     BK = next_pow2(plan.K)
     BV = tuning.pick(plan, "fused_recurrent", "tiles",
@@ -435,7 +436,8 @@ def _combine(plan, use_dht, NV, combine_bk, bvf, dfa, dfb, dgamma_part) -> Launc
                      db=Out("db", (B, T, H, V)) if plan.gv else None),
         constexprs=dict(flags(plan), BK=combine_bk, BVF=bvf, NV=NV, USE_H0=plan.initial_state,
                         USE_DHT=use_dht),
-        num_warps=1)
+        # a warp per 256 values of its widest row: at K or V = 512 one warp spilled (sm_90)
+        num_warps=max(1, max(combine_bk, bvf) // 256))
 
 
 # ---------------------------------------------------------------- HBM traffic
