@@ -36,11 +36,17 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: minutes on the CPU; skipped unless GLA_SLOW=1")
     config.addinivalue_line("markers", "backend(name): the test checks this parity backend "
                                        "(parity.backends); --backends selects by it")
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("GLA_SLOW", "") in ("", "0"):
+        skip = pytest.mark.skip(reason="slow: set GLA_SLOW=1 to run it")
+        for it in items:
+            if it.get_closest_marker("slow"):
+                it.add_marker(skip)
     chosen = {n.strip() for n in config.getoption("backends").split(",") if n.strip()}
     if not chosen:
         return

@@ -74,6 +74,12 @@ def test_every_step_runs_in_order_and_records_its_result(clean):
     tests = _rows(by["correctness"], "test")  # no CUDA: tests/test_cuda.py skips itself
     assert tests and all(t["outcome"] == "skipped" for t in tests)
     assert by["correctness"]["result"]["counts"]["skipped"] == len(tests)
+    # the compiled launches' property tests are in the command, with a recorded seed
+    props = [t for t in tests if t["name"].startswith("test_compiled_matches_oracle")]
+    assert len(props) == 6 and all("no CUDA device" in t["message"] for t in props)
+    record = by["correctness"]["result"]["properties"]
+    assert record["seconds_each"] == DRY.property_s and record["backends"] == {}
+    assert f"--hypothesis-seed={record['seed']}" in by["correctness"]["result"]["command"]
 
 
 def test_speed_times_every_implementation_and_they_agree(clean):
@@ -375,3 +381,24 @@ def test_fla_winners_round_trip_through_fla_core_s_own_autotuners():
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["n"] > 50 and got["h"] and got["loaded"] == 1 and got["same"]
     assert got["back"] == [got["record"]]
+
+
+def test_property_log_gives_the_shrunk_case(tmp_path):
+    """The correctness step's record of the property run (parity/gpu/correctness.py): the
+    last failure a backend logged is its shrunk case; one cut off has passed None."""
+    from parity.gpu.correctness import read_properties
+
+    log = tmp_path / "properties.jsonl"
+    rows = [dict(label="a", problem="(Case(T=9), ...)", error="AssertionError: big"),
+            dict(label="b", checked=40, seconds=30.2, passed=True),
+            dict(label="a", problem="(Case(T=1), ...)", error="AssertionError: small"),
+            dict(label="a", checked=3, seconds=31.0, passed=False),
+            dict(label="c", problem="(Case(T=2), ...)", error="E")]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"label": "c", "chec')
+    got = read_properties(str(log), 7, 30)
+    assert got["seed"] == 7 and got["seconds_each"] == 30
+    a, b, c = (got["backends"][n] for n in "abc")
+    assert a["passed"] is False and a["shrunk"] == "(Case(T=1), ...)" and a["checked"] == 3
+    assert b == dict(passed=True, shrunk=None, checked=40, seconds=30.2)
+    assert c["passed"] is None and c["shrunk"] == "(Case(T=2), ...)"
+    assert read_properties(str(tmp_path / "none"), 1, 2)["backends"] == {}

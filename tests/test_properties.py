@@ -8,14 +8,26 @@ draws a share of its 100 examples by its cost (the Triton interpreter and
 Pallas interpret mode are slow, and they get tiny shapes). `HYPOTHESIS_PROFILE=deep`
 draws 50x as many from fresh seeds; `--backends a,b` (or GLA_BACKENDS=a,b)
 runs only the named backends' tests. A shrunk failure becomes a regular case in
-tests/test_edges.py.
+tests/test_edges.py. The draws include the extremes of the gates: entries of exactly -inf
+and log decays of -100 to -1e6 a step.
+
+On a CUDA device, `test_compiled_matches_oracle` draws the same problems at larger sizes
+for each compiled Triton launch (both frameworks, every family) for a fixed time:
+GLA_PROPERTY_SECONDS a backend (default 30), from hypothesis's seed (`--hypothesis-seed`),
+each failing problem appended to the JSON-lines file GLA_PROPERTY_LOG (if set) the
+moment it fails, so the last one written is the shrunk case (the GPU kit's correctness
+step reads it: parity/gpu/correctness.py). Without a device it skips.
 """
+
+import json
+import os
+import time
 
 import pytest
 
 pytest.importorskip("hypothesis")
 
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -39,12 +51,22 @@ BUDGET = {
 }
 
 
+# The compiled launches on a GPU: (largest T or sequence length, the K/V sizes drawn,
+# largest H). K and V from a few sizes, odd ones among them, since each new size
+# compiles every kernel afresh (~2 s each).
+CUDA_SIZES = (160, (1, 7, 16, 64, 100, 128), 4)
+CUDA_SECONDS = float(os.environ.get("GLA_PROPERTY_SECONDS", "30"))
+
+
 @st.composite
 def problems(draw, max_len, max_dim, max_heads):
-    """(Case, dtype, seed): B, T, H, Hk, K, V from 1 (T, sequence lengths from 0)."""
+    """(Case, dtype, seed, extreme): B, T, H, Hk, K, V from 1 (T, sequence lengths from
+    0); K and V up to max_dim, or from max_dim's sizes when it is a tuple; `extreme` is
+    applied to the gates by `with_extremes`."""
     Hk = draw(st.integers(1, 2))
     H = Hk * draw(st.integers(1, max(1, max_heads // Hk)))
-    K, V = draw(st.integers(1, max_dim)), draw(st.integers(1, max_dim))
+    dim = st.sampled_from(max_dim) if isinstance(max_dim, tuple) else st.integers(1, max_dim)
+    K, V = draw(dim), draw(dim)
     varlen = draw(st.booleans())
     if varlen:
         seqlens = tuple(draw(st.lists(st.integers(0, max_len), min_size=1, max_size=4)))
@@ -60,7 +82,25 @@ def problems(draw, max_len, max_dim, max_heads):
         packed=packed, gate_scale=draw(st.sampled_from([0.3, 1.0, 3.0])),
         softmax_scale=draw(st.sampled_from([None, 0.7])))
     dtype = draw(st.sampled_from(["float32"] * 4 + ["bfloat16", "float16"]))
-    return case, dtype, draw(st.integers(0, 2 ** 16))
+    extreme = draw(st.sampled_from(["none"] * 4 + ["reset", "far"]))
+    return case, dtype, draw(st.integers(0, 2 ** 16)), extreme
+
+
+def with_extremes(case, arrays, extreme, seed):
+    """(case, arrays) with about a quarter of one gate's entries set to exactly -inf
+    ("reset") or to log decays of -100 to -1e6 ("far"); "none" leaves them. The gate
+    gradients there are ~0 (the oracle's exactly), which the chunked paths reach by
+    cancelling O(1) terms: they are measured against an RMS floor of 0.1."""
+    names = [n for n in ("g", "gk", "gv", "g_gamma") if n in arrays]
+    if extreme == "none" or not names:
+        return case, arrays
+    rng = np.random.default_rng(seed)
+    name = names[rng.integers(len(names))]
+    gate = arrays[name].copy()
+    hit = rng.random(gate.shape) < 0.25
+    gate[hit] = -np.inf if extreme == "reset" else -np.exp(
+        rng.uniform(np.log(100.0), np.log(1e6), int(hit.sum())))
+    return case.with_(gate_grad_floor=0.1), dict(arrays, **{name: gate.astype(np.float32)})
 
 
 def gamma_floor(case, arrays, dtype):
@@ -76,9 +116,9 @@ def gamma_floor(case, arrays, dtype):
     return float(np.linalg.norm(da)) / np.sqrt(n)
 
 
-def check_backend(name, case, dtype, seed):
+def check_backend(name, case, dtype, seed, extreme="none"):
     """The backend's outputs, final state and gradients against the oracle's."""
-    arrays = backends.prepared(case, dtype, seed)
+    case, arrays = with_extremes(case, backends.prepared(case, dtype, seed), extreme, seed)
     got = BACKENDS[name].run(case, arrays, dtype)
     want = backends.Oracle().run(case, arrays, dtype)
     errs = compare.errors(got, want, case.gate_grad_floor)
@@ -86,7 +126,7 @@ def check_backend(name, case, dtype, seed):
         errs["dg_gamma"] = compare.rel_err(got["dg_gamma"], want["dg_gamma"],
                                            gamma_floor(case, arrays, dtype))
     bad = {k: e for k, e in errs.items() if not e <= compare.tolerance(dtype)}
-    assert not bad, f"{case} {dtype} seed={seed}: {bad}"
+    assert not bad, f"{case} {dtype} seed={seed} extreme={extreme}: {bad}"
 
 
 def _property(name):
@@ -125,3 +165,91 @@ SHRUNK = [(name, _GAMMA_CANCEL, "float32", 6149) for name in ("torch-torch", "ja
                          ids=[f"{n}-{c.name}" for n, c, _, _ in SHRUNK])
 def test_shrunk_example(name, case, dtype, seed):
     check_backend(name, case, dtype, seed)
+
+
+# ------------------------------------------------ the compiled launches, for a fixed time
+COMPILED = [n for n in BUDGET if "triton" in n]
+
+
+def timed_property(check, strategy, seconds, label, log_path=None):
+    """Run `check(*problem)` on hypothesis draws from `strategy` until `seconds` have
+    passed since the first (the draws left then are not checked), shrinking a failure as
+    usual. Each failing problem is appended to `log_path` (JSON lines {label, problem,
+    error}) when it fails, so the last one written is the shrunk case; a last line
+    {label, checked, seconds, passed} follows. The number of examples checked."""
+    state = {"start": None, "failed": False, "checked": 0}
+
+    def log(**row):
+        if log_path:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(dict(label=label, **row), default=str) + "\n")
+
+    @settings(max_examples=max(10, int(seconds * 10)), derandomize=False, deadline=None,
+              database=None, print_blob=True, suppress_health_check=list(HealthCheck))
+    @given(problem=strategy)
+    def run(problem):
+        now = time.monotonic()
+        state["start"] = state["start"] or now
+        if not state["failed"] and now - state["start"] > seconds:
+            return
+        try:
+            check(*problem)
+        except Exception as e:
+            state["failed"] = True
+            log(problem=repr(problem), error=f"{type(e).__name__}: {str(e)[:500]}")
+            raise
+        state["checked"] += 1
+
+    t0 = time.monotonic()
+    try:
+        run()
+    finally:
+        log(checked=state["checked"], seconds=round(time.monotonic() - t0, 1),
+            passed=not state["failed"])
+    return state["checked"]
+
+
+def _not_compiled():
+    """Why the compiled launches cannot run here, or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
+        return "torch or triton is not installed"
+    import torch
+
+    from bridge import kernels
+
+    if not torch.cuda.is_available():
+        return "no CUDA device: the compiled launches' properties run on a GPU (the GPU kit)"
+    if kernels.INTERPRETED:
+        return "TRITON_INTERPRET=1: the kernels are interpreted, not compiled"
+    return None
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=[pytest.mark.backend(n), pytest.mark.skipif(
+        _not_compiled() is not None, reason=str(_not_compiled()))]) for n in COMPILED])
+def test_compiled_matches_oracle(name):
+    """The compiled launch of `name` on CUDA, CUDA_SECONDS of draws at CUDA_SIZES."""
+    checked = timed_property(lambda *p: check_backend(name, *p), problems(*CUDA_SIZES),
+                             CUDA_SECONDS, name, os.environ.get("GLA_PROPERTY_LOG"))
+    assert checked > 0
+
+
+def test_timed_property_shrinks_and_logs_the_failure(tmp_path):
+    """The runner itself, on a check that fails for T >= 3 (no kernel): the failure is
+    shrunk to T == 3 and logged last; a passing check stops at its time."""
+    log = tmp_path / "props.jsonl"
+
+    def fails_from_3(case, dtype, seed, extreme):
+        assert case.T < 3 or case.seqlens is not None, "T >= 3"
+
+    with pytest.raises(AssertionError, match="T >= 3"):
+        timed_property(fails_from_3, problems(8, 2, 2), 30.0, "fake", str(log))
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert rows[-1] == dict(label="fake", checked=rows[-1]["checked"],
+                            seconds=rows[-1]["seconds"], passed=False)
+    assert "T=3," in rows[-2]["problem"] and "seqlens=None" in rows[-2]["problem"]
+    t0 = time.monotonic()
+    assert timed_property(lambda *p: None, problems(8, 2, 2), 0.5, "quick") > 0
+    assert time.monotonic() - t0 < 30

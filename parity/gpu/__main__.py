@@ -9,8 +9,9 @@ runs: machine, correctness, tune (fla's autotuning), speed, varlen, decode, kern
 its own row with its own status (parity/gpu/rows.py). Writes DIR/gpu.json (the
 results), DIR/gpu.log (everything the steps printed), DIR/gpu-section.md,
 DIR/fla-configs.json (fla's autotuner winners: pass it as --fla-configs to a later run
-so that it tunes nothing) and DIR/tuning.json (the sweep's device table: `python -m
-bridge.tuning --merge` ships it), updates BENCHMARKS.md's GPU section (and results.json,
+so that it tunes nothing), DIR/tuning.json (the sweep's device table: `python -m
+bridge.tuning --merge` ships it) and DIR/properties.jsonl (the property tests' failing
+problems, the shrunk one last), updates BENCHMARKS.md's GPU section (and results.json,
 and parity/bench/results/gpu.json) unless --md none, and prints a short table last.
 
 --dry-run runs the same orchestration on the CPU at tiny shapes (Triton's interpreter,
@@ -135,8 +136,15 @@ def step_correctness(kit, deadline):
     kit.background.update({f"ahead-fla-{i}": kit.child(
         None, "parity.gpu.ahead:fla_compile", cap, f"ahead-fla-{i}", worker=i,
         workers=p.fla_workers, configs=kit.fla_configs) for i in range(p.fla_workers)})
-    return kit.child("correctness", "parity.gpu.correctness:run", _left(deadline),
-                     "correctness").wait()
+    log = os.path.join(kit.out, "properties.jsonl")
+    seed = int(time.time()) % 2 ** 31
+    out = kit.child("correctness", "parity.gpu.correctness:run", _left(deadline),
+                    "correctness", property_log=log, seed=seed).wait()
+    if p.property_s and out["result"] is None:  # killed: the log keeps what failed
+        from .correctness import read_properties
+
+        out["result"] = {"properties": read_properties(log, seed, p.property_s)}
+    return out
 
 
 def _worst(parts):
@@ -277,7 +285,8 @@ def run_kit(out, quick=False, dry=False, md=None, results_json=None, json_copy=N
         plan = dataclasses.replace(plan, fla="absent")
     _environment(plan)
     os.makedirs(out, exist_ok=True)
-    for name in ("gpu.log", "gpu.json", "gpu-section.md", "fla-configs.json", "tuning.json"):
+    for name in ("gpu.log", "gpu.json", "gpu-section.md", "fla-configs.json", "tuning.json",
+                 "properties.jsonl"):
         if os.path.exists(os.path.join(out, name)):
             os.remove(os.path.join(out, name))
     kit = Kit(plan, out, injections, log, fla_configs)

@@ -15,15 +15,21 @@ one CPU core; 16 cores):
 
   full: budget 600 s, caps sum to 580 s (20 s for starting processes and writing)
   machine      cap 25   est 12   CUDA init ~5 s; an 8192^3 bf16 matmul and a 1 GiB copy
-  correctness  cap 150  est 110  pytest -n 6 on tests/test_cuda.py: ~110 kernel variants
-                                 over 6 workers, two Inductor compiles of a layer. Beside
-                                 it (ahead.py): 4 workers compile ours (the ~45 variants
-                                 the timed steps run, then the sweep's ~230 candidates,
-                                 ~2 s each), 6 compile fla's ~190 autotune configs
-                                 (~60-90 s a worker)
-  tune         cap 100  est 70   what is left of those compiles, then fla's autotuning
-                                 alone on the GPU (~190 configs, cached: ~0.2 s each);
-                                 nothing with --fla-configs
+  correctness  cap 190  est 150  pytest -n 6 on tests/test_cuda.py: ~110 kernel variants
+                                 over 6 workers, two Inductor compiles of a layer; then the
+                                 property tests of the 6 compiled Triton launches, 40 s of
+                                 draws each (property_s; one worker each, ~40 s of wall
+                                 beyond test_cuda.py, plus the example running when the
+                                 time ends). Beside it (ahead.py): 4 workers compile ours
+                                 (the ~45 variants the timed steps run, then the sweep's
+                                 ~230 candidates, ~2 s each), 6 compile fla's ~190
+                                 autotune configs (~60-90 s a worker)
+  tune         cap 60   est 40   what is left of those compiles (40 s further along than
+                                 before the property tests lengthened the correctness
+                                 step: the compiles' window, correctness + tune - reserve,
+                                 is unchanged at 205 s), then fla's autotuning alone on
+                                 the GPU (~190 configs, cached: ~0.2 s each); nothing with
+                                 --fla-configs
   speed        cap 110  est 80   ours from torch (cap 45), fla (cap 30), ours from JAX
                                  (cap 35): 3 T x 2 modes per implementation
   varlen       cap 30   est 15   ~47k tokens: 3 impls x 2 modes
@@ -33,9 +39,9 @@ one CPU core; 16 cores):
                                  launch timed once warm (compiled ahead)
 
   quick: budget 180 s. T = 4096 only; pytest on the first case's chunked kernels (no
-  Inductor compile); fla's tuning cap 20 s, so fla's rows may say "not_warmed" (pass
-  --fla-configs from a full run); decode at batch 1 and 64; the sweep with one knob
-  changed at a time, key gate only.
+  Inductor compile, no property tests); fla's tuning cap 20 s, so fla's rows may say
+  "not_warmed" (pass --fla-configs from a full run); decode at batch 1 and 64; the sweep
+  with one knob changed at a time, key gate only.
 
   dry run (the CPU, the interpreter, stand-ins): tiny shapes; caps generous for a loaded
   2-core machine.
@@ -69,6 +75,7 @@ class Plan:
     rep_ms: int = 250
     host_calls: int = 3
     pytest_args: tuple = ()
+    property_s: int = 0        # seconds of hypothesis draws per compiled launch (0: none)
     ahead_workers: int = 4                 # parity/gpu/ahead.py: ours, fla's configs
     fla_workers: int = 6
     jax_families: tuple = FAMILIES
@@ -97,12 +104,12 @@ class Plan:
 
 FULL = Plan(
     name="full", device="cuda", budget_s=600,
-    caps=dict(machine=25, correctness=150, tune=100, speed=110, varlen=30, decode=25,
+    caps=dict(machine=25, correctness=190, tune=60, speed=110, varlen=30, decode=25,
               kernels=40, sweep=100),
-    estimates=dict(machine=12, correctness=110, tune=70, speed=80, varlen=15, decode=12,
+    estimates=dict(machine=12, correctness=150, tune=40, speed=80, varlen=15, decode=12,
                    kernels=20, sweep=70),
     speed_caps=dict(ours=45, fla=30, jax=35),
-    pytest_args=("-n", "6", "--dist", "load"),
+    pytest_args=("-n", "6", "--dist", "load"), property_s=40,
 )
 
 QUICK = Plan(
@@ -132,6 +139,7 @@ DRY = Plan(
     # the interpreted chunked backward costs seconds even here: JAX and the per-launch
     # times take the fused family only (the same code, another family name)
     jax_families=("fused_recurrent",), launch_families=("fused_recurrent",),
+    property_s=2,  # collected and skipped here (no CUDA): the command carries them
     varlen_seqs=2, varlen_lengths=(2, 9), varlen_heads=(1, 16, 16),
     decode_layer=(32, 2), decode_batches=(1, 2), decode_steps=2, decode_runs=1,
     faults=("failing-impl", "fla-cold-decode"),
