@@ -216,3 +216,13 @@ def test_public_call_with_a_split(backend, monkeypatch):
         got = b.run(case, arrays, "float32")
     assert made and set(made) == {3}
     assert_close(errors(got, ORACLE.run(case, arrays, "float32")), "float32")
+
+
+def test_local_pass_in_k_blocks(monkeypatch):
+    """The local pass takes K in blocks (K = 40 in blocks of 16: three, the last
+    partial), each block its own keys' state rows and summed decays."""
+    from bridge.kernels import fused_chunk_split
+
+    monkeypatch.setattr(fused_chunk_split, "LOCAL_BK", 16)
+    check(C("k-blocks", T=100, H=1, Hk=1, K=40, V=8, g="key", gk=True, gv=True,
+            initial_state=True, gate_scale=0.02), splits=(3,))

@@ -148,19 +148,22 @@ def fused_chunk_fwd_kernel(
     chunks (fused_chunk_split.py); with NS > 1, h0 is the state entering each segment
     [N,H,NS,K,V] and the last segment writes ht. LOCAL: the segments 0..NS-2 walked
     from a zero state without q or o, writing their final states to ht [N,H,NS-1,K,V]
-    and their log decays summed, la [N,H,NS-1,K] (key gates) and lb [N,H,NS-1,V] (gv)."""
+    and their log decays summed, la [N,H,NS-1,K] (key gates) and lb [N,H,NS-1,V] (gv),
+    K in blocks of BK there (the update is independent per key)."""
     scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     NV: tl.constexpr = (V + BV - 1) // BV
+    NK: tl.constexpr = (K + BK - 1) // BK  # 1 but in LOCAL (no q: K may be blocked)
     NP: tl.constexpr = NS - 1 if LOCAL else NS  # programs per sequence x head and V block
     pid = tl.program_id(0)
-    i_nh, i_s, i_v = pid // (NV * NP), (pid // NV) % NP, pid % NV
+    i_v, i_k = pid % NV, (pid // NV) % NK
+    i_nh, i_s = pid // (NV * NK * NP), (pid // (NV * NK)) % NP
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HK)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
     bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     gamma = head_gamma(g_gamma, i_n, i_h, H, GAMMA_MODE)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
+    o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     mask_k, mask_v = o_k < K, o_v < V
     mask_h = mask_k[:, None] & mask_v[None, :]
@@ -240,9 +243,10 @@ def fused_chunk_fwd_kernel(
             if i_v == 0:
                 tl.store(la + (i_nh.to(tl.int64) * NP + i_s) * K + o_k[:, None], s_a,
                          mask=mask_k[:, None])
-        if USE_GV:
-            tl.store(lb + (i_nh.to(tl.int64) * NP + i_s) * V + o_v[None, :], s_b,
-                     mask=mask_v[None, :])
+        if USE_GV:  # every K block has the same sums: the first writes them
+            if i_k == 0:
+                tl.store(lb + (i_nh.to(tl.int64) * NP + i_s) * V + o_v[None, :], s_b,
+                         mask=mask_v[None, :])
     elif NS == 1:
         tl.store(ht + base + p_kv, b_s, mask=mask_h)
     elif i_s == NS - 1:
@@ -298,8 +302,9 @@ def forward_launches(plan) -> list:
             inputs=dict(q="q", k="k", v="v", **gate_inputs(plan), **varlen_input(plan),
                         h0=kw.pop("h0")),
             scalars=dict(scale=plan.scale, T=T), outputs=dict(dict(la=None, lb=None), **outputs),
-            constexprs=dict(flags(plan), BT=BT, BK=c["BK"], BKI=c["BKI"], BV=c["BV"],
-                            LEVELS=levels, DOT_PREC=chunk.dot_precision(), STAGES=STAGES, **kw),
+            constexprs=dict(dict(flags(plan), BT=BT, BK=c["BK"], BKI=c["BKI"], BV=c["BV"],
+                                 LEVELS=levels, DOT_PREC=chunk.dot_precision(),
+                                 STAGES=STAGES), **kw),
             num_warps=warps(plan), num_stages=STAGES, dot_flops=int(flops), bytes=int(nbytes))
 
     final = Out("final_state", (N, H, K, V))
@@ -313,9 +318,11 @@ def forward_launches(plan) -> list:
     kv = sum(plan.nbytes(n) for n in plan.inputs() if n not in ("q", "initial_state"))
     sums = dict(la=Out("split_la", (N, H, NS - 1, K)) if key_gated(plan) else None,
                 lb=Out("split_lb", (N, H, NS - 1, V)) if plan.gv else None)
-    local = launch(NS - 1, dict(o=None, ht=Out("split_F", (N, H, NS - 1, K, V)), **sums),
+    bk = min(c["BK"], split.LOCAL_BK)
+    local = launch((NS - 1) * -(-K // bk), dict(o=None, ht=Out("split_F", (N, H, NS - 1, K, V)),
+                                                **sums),
                    part * kv + (NS - 1) * state, part * per_chunk * chunks * K * c["BV"],
-                   h0=None, USE_H0=False, NS=NS, LOCAL=True)
+                   h0=None, USE_H0=False, NS=NS, LOCAL=True, BK=bk)
     output = launch(NS, o, reads - state * plan.initial_state + NS * state
                     + plan.nbytes("o") + state, flops,
                     h0="split_S", USE_H0=True, NS=NS, LOCAL=False)

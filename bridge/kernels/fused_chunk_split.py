@@ -8,7 +8,7 @@ sequence of nc chunks, empty ones where NS > nc) and runs three launches, the al
 context parallelism (bridge/context.py) inside one device:
 
   1. local    fused_chunk_fwd_kernel(LOCAL): per (sequence x head, segment 0..NS-2,
-              V block) the segment's final state from a zero state, F [N,H,NS-1,K,V]
+              K block, V block) the segment's final state from a zero state, F [N,H,NS-1,K,V]
               fp32, and its log decays summed, la [N,H,NS-1,K] and lb [N,H,NS-1,V]
               (a sum of consecutive log decays, floored: finite, so exp gives 0 for a
               reset, never NaN); no q, no o.
@@ -48,6 +48,8 @@ MIN_CHUNKS = 8  # the rule's shortest segment, in chunks: the local pass and the
 #                 cost about one segment's state walk, so short segments gain nothing
 # the sweep's candidates (fused_chunk.SITES): 0 waves is never split
 SWEEP = dict(waves=(0, 1, 2, 4))
+LOCAL_BK = 128  # the local pass's K block (no q there, so K may be blocked): K = 256 in
+#                 one block spilled on sm_80
 BV = 32         # the combine's V block: an fp32 [K, 32] tile, 64 registers a thread at K=256
 
 
