@@ -91,7 +91,8 @@ def fused_chunk_combine_kernel(
     p_kv = o_k[:, None] * V + o_v[None, :]
     b_s = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
-        b_s += tl.load(h0 + i_nh.to(tl.int64) * K * V + p_kv, mask=mask_h, other=0.)
+        b_s += tl.load(h0 + i_nh.to(tl.int64) * K * V + p_kv, mask=mask_h,
+                       other=0.).to(tl.float32)
     for s in range(0, NS - 1):
         i = i_nh.to(tl.int64) * (NS - 1) + s
         tl.store(hs + (i + i_nh) * K * V + p_kv, b_s, mask=mask_h)
