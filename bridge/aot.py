@@ -32,7 +32,7 @@ import re
 import sys
 import time
 
-from . import dispatch
+from . import dispatch, tuning
 from .contract import ARGS, nbytes
 from .launch import resolve_dtype
 
@@ -608,11 +608,15 @@ def sass_markdown(recs) -> str:
 
 def _stages(families, plan):
     """(stage, launches, dtypes) of each family's forward and backward lists for
-    `plan`; a buffer the forward writes keeps its dtype in the backward."""
+    `plan` (and fused_chunk's split forward, "fwd-split"); a buffer the forward writes
+    keeps its dtype in the backward."""
     for fam in families:
         if dispatch.refusal(plan, fam.__name__.rsplit(".", 1)[1]) is not None:
             continue
-        lists = [("fwd", fam.forward_launches(plan)),
+        fwd = fam.forward_launches(plan)
+        with tuning.overriding({("fused_chunk", "split"): dict(segments=2)}):
+            split = fam.forward_launches(plan)  # fused_chunk's split forward
+        lists = [("fwd", fwd), *([("fwd-split", split)] if split != fwd else []),
                  ("bwd", fam.backward_launches(plan, use_dht=True)),
                  ("bwd-nodht", fam.backward_launches(plan, False))]
         dtypes = _Float32Default(tensor_dtypes(plan, [ls for _, ls in lists], gamma_like_q=True))

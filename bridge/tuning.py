@@ -18,6 +18,11 @@ which `python -m bridge.tuning --merge FILE` adds to this one. On the CPU, under
 interpreter, and on a device the table does not name, every launch keeps its family's
 defaults. Nothing is tuned at a call: a launch list is a pure function of the plan and
 this table. `overriding` replaces entries within a block (the sweep's candidates, tests).
+
+A few defaults are rules on the device's size rather than constants (fused_chunk's split
+of each sequence across programs): `multiprocessors()` is its SM count, known only where
+a GPU is (None on the CPU and under the interpreter, where such a rule keeps the plain
+launch).
 """
 
 import argparse
@@ -31,7 +36,7 @@ import sys
 SCHEMA = "gla-bridge/tuning/1"
 TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning.json")
 _OVERRIDES = []   # a stack of {(family, site): knobs}
-_DEVICE = []      # a stack of device keys that replace detection (tests, the sweep)
+_DEVICE = []      # a stack of (device key, SM count) that replace detection (tests)
 _RECORD = []      # dicts that `recording` blocks fill with {(family, site): defaults}
 
 
@@ -53,47 +58,56 @@ def entry_key(plan, family: str, site: str) -> str:
             f"{gate_signature(plan)}")
 
 
-def _torch_key(torch):
-    cap = torch.cuda.get_device_capability()
-    return f"{cap[0]}.{cap[1]} {torch.cuda.get_device_name()}"
+def _torch_device(torch):
+    i = torch.cuda.current_device()
+    cap = torch.cuda.get_device_capability(i)
+    return (f"{cap[0]}.{cap[1]} {torch.cuda.get_device_name(i)}",
+            torch.cuda.get_device_properties(i).multi_processor_count)
 
 
 @functools.lru_cache(maxsize=None)
 def _detected():
-    """The current CUDA device's key, or None (CPU, interpreter, no GPU framework): from
-    torch where it has started CUDA, else from JAX's first GPU, else from torch (a JAX
+    """(key, SM count) of the current CUDA device, or (None, None) (CPU, interpreter, no
+    GPU framework): from torch where it has started CUDA, else from JAX's first GPU (its
+    `core_count`, the SM count, where the device has one), else from torch (a JAX
     process does not start torch's CUDA for this)."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return None
+        return None, None
     torch, jax = sys.modules.get("torch"), sys.modules.get("jax")
     try:
         if torch is not None and torch.cuda.is_initialized():
-            return _torch_key(torch)
+            return _torch_device(torch)
     except Exception:  # a broken driver: the defaults
         pass
     try:
         if jax is not None:
             d = jax.devices("gpu")[0]
-            return f"{d.compute_capability} {d.device_kind}"
+            return f"{d.compute_capability} {d.device_kind}", getattr(d, "core_count", None)
     except Exception:  # no GPU backend
         pass
     try:
         if torch is not None and torch.cuda.is_available():
-            return _torch_key(torch)
+            return _torch_device(torch)
     except Exception:
         pass
-    return None
+    return None, None
 
 
 def device_key():
     """"<capability> <name>" of the device launches go to, or None (module doc)."""
-    return _DEVICE[-1] if _DEVICE else _detected()
+    return _DEVICE[-1][0] if _DEVICE else _detected()[0]
+
+
+def multiprocessors():
+    """The SM count of the device launches go to, or None where unknown (module doc)."""
+    return _DEVICE[-1][1] if _DEVICE else _detected()[1]
 
 
 @contextlib.contextmanager
-def on_device(key):
-    """Within the block, `device_key()` is `key` (a device named without detecting it)."""
-    _DEVICE.append(key)
+def on_device(key, sms=None):
+    """Within the block, `device_key()` is `key` and `multiprocessors()` is `sms` (a
+    device named without detecting it)."""
+    _DEVICE.append((key, sms))
     try:
         yield
     finally:

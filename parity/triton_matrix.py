@@ -47,8 +47,8 @@ SPILL_LIMIT = {"fused_recurrent": {80: 8, 90: 0}, "chunk": {90: 256}, "fused_chu
 MAX_REGS = 255
 
 # One interpreter case per gate kind of each family, fp32 and one 16-bit case (the
-# interpreter shim's bf16 dot) each; and the GPU kit's sweep candidates built for sm_80
-# and sm_90 (bridge/tuning.py).
+# interpreter shim's bf16 dot) each; fused_chunk's split forward on every gate, varlen; and
+# the GPU kit's sweep candidates built for sm_80 and sm_90 (bridge/tuning.py).
 _GATES = ("plain", "g-head", "g-key", "gk", "gv", "gamma-head", "gamma-seq", "reverse", "varlen",
           "everything")
 TESTS = tuple(f"tests/test_triton_{fam}.py::test_features_fp32[{g}]"
@@ -56,6 +56,7 @@ TESTS = tuple(f"tests/test_triton_{fam}.py::test_features_fp32[{g}]"
     "tests/test_triton_fused.py::test_low_precision[everything-bfloat16]",
     "tests/test_triton_chunk.py::test_low_precision[bfloat16-20]",
     "tests/test_triton_fused_chunk.py::test_low_precision[bfloat16-20]",
+    "tests/test_fused_chunk_split.py::test_split_matches_oracle_and_unsplit[varlen-everything]",
     "tests/test_tuning.py::test_candidates_build_ahead_of_time_for_sm80_and_sm90")
 
 

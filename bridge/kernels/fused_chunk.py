@@ -15,6 +15,11 @@ write: no per-chunk states h, no A, no gated copies in HBM. The name is the desi
 (flash-linear-attention calls its one-kernel GLA with the state in registers
 `fused_chunk` too): the chunked algebra fused into one kernel.
 
+Where those programs are fewer than the device's SMs, each sequence is split into
+segments run by separate programs and their states combined (fused_chunk_split.py: three
+launches of which this kernel is two, `NS` and `LOCAL`); the factor is the "split" site
+of the device table (`SITES`).
+
 Precision is the chunk family's: the same decay sums (exact fp32 sums of the
 decays' own values, as 1 or 3 16-bit tensor-core products), the same dot operands
 (the state as a dot operand in q's dtype, as chunk's h in bf16; fp32 "ieee").
@@ -38,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ..launch import Launch, Out
-from . import chunk
+from . import chunk, fused_chunk_split as split
 from .common import (block_pos, check_k, decay_k_in, exact_dtype, exp_, flags, gate_inputs,
                      head_gamma, key_gated, level_mask, load_qk_tile, load_tile, next_pow2,
                      op_dtype, seg_matrix, seg_sums, seq_bounds, tile_ptrs, varlen_input)
@@ -47,26 +52,29 @@ BT = 32
 # Software pipelining of the chunk loop: Triton's pipeliner does not take a loop whose
 # body holds loops (the levels'), so 1; unrolling those loops instead spilled.
 STAGES = 1
+# The launch sites the device table (bridge/tuning.py) may tune, with the candidate values
+# the GPU kit's sweep tries: "split", the segments per sequence (fused_chunk_split.py)
+SITES = {"split": split.SWEEP}
 
 
 @triton.jit
 def _key_gate(c, DT: tl.constexpr, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k,
               H: tl.constexpr, K: tl.constexpr, G_MODE: tl.constexpr, USE_GK: tl.constexpr,
               GAMMA_MODE: tl.constexpr):
-    """(exp(c @ a), exp(sum of a over the chunk)) for the key-side log decays a of the
+    """(exp(c @ a), the sum of a over the chunk) for the key-side log decays a of the
     chunk (common.decay_k_in, seg_sums): [BT, BK] and [BK, 1]; [BT, 1] and a scalar
     when a is the same for every key (g [B,T,H] and g_gamma only), computed on 16
     columns instead of K."""
     if G_MODE == 2 or USE_GK:
         a = decay_k_in(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K, G_MODE,
                        USE_GK, GAMMA_MODE)
-        return exp_(seg_sums(c, a, DT)), exp_(tl.sum(a.to(tl.float32), 0))[:, None]
+        return exp_(seg_sums(c, a, DT)), tl.sum(a.to(tl.float32), 0)[:, None]
     else:
         o_u = tl.arange(0, 16)
         a = decay_k_in(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_u, o_u < 16, H, K, G_MODE,
                        USE_GK, GAMMA_MODE)
         return (tl.max(exp_(seg_sums(c, a, DT)), 1)[:, None],
-                tl.max(exp_(tl.sum(a.to(tl.float32), 0)), 0))
+                tl.max(tl.sum(a.to(tl.float32), 0), 0))
 
 
 @triton.jit
@@ -114,83 +122,135 @@ def _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, H: tl.conste
 
 
 @triton.jit
+def _value_gated(b_vf, b, DV: tl.constexpr):
+    """v [BT, BV] fp32 gated to the chunk's end by its value log decays b (decay_k_in on
+    gv, in DV) and b summed over the chunk [1, BV]."""
+    o_t = tl.arange(0, b_vf.shape[0])
+    return (b_vf * exp_(seg_sums(seg_matrix(o_t, b_vf.shape[0], DV), b, DV)),
+            tl.sum(b.to(tl.float32), 0)[None, :])
+
+
+@triton.jit
 def fused_chunk_fwd_kernel(
     q, k, v, g, gk, gv, g_gamma, h0, cu_seqlens,
     scale, T,
-    o, ht,
+    o, ht, la, lb,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BKI: tl.constexpr, BV: tl.constexpr,
     G_MODE: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr, GAMMA_MODE: tl.constexpr,
     USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr,
     LEVELS: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr,
+    NS: tl.constexpr, LOCAL: tl.constexpr,
 ):
-    """One (sequence x head, V block): o [B,T,H,V] (q's dtype) chunk by chunk and
-    ht [N,H,K,V] fp32, the state after the sequence (h0 [N,H,K,V] before it).
-    k, v have HK heads; the gates H."""
+    """One (sequence x head, segment, V block): o [B,T,H,V] (q's dtype) chunk by chunk
+    and ht [N,H,K,V] fp32, the state after the sequence (h0 [N,H,K,V] before it).
+    k, v have HK heads; the gates H. Each sequence is cut into NS segments of whole
+    chunks (fused_chunk_split.py); with NS > 1, h0 is the state entering each segment
+    [N,H,NS,K,V] and the last segment writes ht. LOCAL: the segments 0..NS-2 walked
+    from a zero state without q or o, writing their final states to ht [N,H,NS-1,K,V]
+    and their log decays summed, la [N,H,NS-1,K] (key gates) and lb [N,H,NS-1,V] (gv),
+    K in blocks of BK there (the update is independent per key)."""
     scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     NV: tl.constexpr = (V + BV - 1) // BV
+    NK: tl.constexpr = (K + BK - 1) // BK  # 1 but in LOCAL (no q: K may be blocked)
+    NP: tl.constexpr = NS - 1 if LOCAL else NS  # programs per sequence x head and V block
     pid = tl.program_id(0)
-    i_nh, i_v = pid // NV, pid % NV
+    i_v, i_k = pid % NV, (pid // NV) % NK
+    i_nh, i_s = pid // (NV * NK * NP), (pid // (NV * NK)) % NP
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HK)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
     bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     gamma = head_gamma(g_gamma, i_n, i_h, H, GAMMA_MODE)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
+    o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     mask_k, mask_v = o_k < K, o_v < V
     mask_h = mask_k[:, None] & mask_v[None, :]
     # a scalar int64 base and int32 offsets: a [K, BV] tile of 64-bit addresses would
     # stay live through the loop for the final store
     base = i_nh.to(tl.int64) * K * V
+    seg = base * NP + i_s * (K * V)  # this segment's state (base when NS == 1)
     p_kv = o_k[:, None] * V + o_v[None, :]
     op: tl.constexpr = op_dtype(q.dtype.element_ty)
+    nc = tl.cdiv(eos - bos, BT)
+    if NS == 1:
+        c0, c1 = 0, nc
+    else:  # chunks [i_s nc / NS, (i_s + 1) nc / NS): sizes differ by at most one
+        c0, c1 = i_s * nc // NS, (i_s + 1) * nc // NS
+    DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE, USE_GK,
+                                   GAMMA_MODE)
+    DV: tl.constexpr = exact_dtype(gv.dtype.element_ty, gv.dtype.element_ty, 0, True, 0)
 
     b_s = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        b_s += tl.load(h0 + base + p_kv, mask=mask_h, other=0.).to(tl.float32)
-    for c in tl.range(0, tl.cdiv(eos - bos, BT), num_stages=STAGES):
+    s_a = tl.zeros([BK, 1], dtype=tl.float32)
+    s_b = tl.zeros([1, BV], dtype=tl.float32)
+    if USE_H0 and not LOCAL:
+        b_s += tl.load(h0 + seg + p_kv, mask=mask_h, other=0.).to(tl.float32)
+    for c in tl.range(c0, c1, num_stages=STAGES):
         row0, pos, mask_t = block_pos(bos, eos, c * BT, BT, REVERSE)
-        b_a = _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, H, HK, K, BKI,
-                     G_MODE, USE_GK, GAMMA_MODE, LEVELS, DOT_PREC)
-        b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K).to(tl.float32) * scale
-        if KGATE:  # gated from the chunk's start
-            DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE, USE_GK,
-                                           GAMMA_MODE)
-            f, _ = _key_gate(seg_matrix(o_t, 2 * BT, DT), DT, g, gk, gamma, row0, pos, mask_t,
-                             i_h, o_k, mask_k, H, K, G_MODE, USE_GK, GAMMA_MODE)
-            b_q *= f
-        acc = tl.dot(b_q.to(op), b_s.to(op), input_precision=DOT_PREC)
-        b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V)
-        if USE_GV:
-            DV: tl.constexpr = exact_dtype(gv.dtype.element_ty, gv.dtype.element_ty, 0, True, 0)
-            b = decay_k_in(DV, gv, gv, 0., row0, pos, mask_t, i_h, o_v, mask_v, H, V, 0, True, 0)
-            acc *= exp_(seg_sums(seg_matrix(o_t, 2 * BT, DV), b, DV))
-            b_vf = b_v.to(tl.float32)
-            acc = tl.dot(tl.where(o_t[:, None] == o_t[None, :], b_a, 0.).to(op), b_v.to(op),
-                         acc, input_precision=DOT_PREC)
-            for lvl in range(0, LEVELS):  # chunk_output_kernel's value levels
-                hl = (BT // 2) >> lvl
-                x = exp_(seg_sums(seg_matrix(o_t, hl, DV), b, DV))
-                b_al = tl.where(level_mask(o_t, hl), b_a, 0.).to(op)
-                acc += x * tl.dot(b_al, (b_vf * x).to(op), input_precision=DOT_PREC)
-            b_vg = b_vf * exp_(seg_sums(seg_matrix(o_t, BT, DV), b, DV))
-            b_s *= exp_(tl.sum(b.to(tl.float32), 0))[None, :]
+        if LOCAL:  # the state's update alone, and the segment's log decays summed
+            b_vg = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V)
+            if USE_GV:
+                b = decay_k_in(DV, gv, gv, 0., row0, pos, mask_t, i_h, o_v, mask_v, H, V, 0,
+                               True, 0)
+                b_vg, l_v = _value_gated(b_vg.to(tl.float32), b, DV)
+                b_vg = b_vg.to(op)  # the dot's operand: rounded here, not later
+                b_s *= exp_(l_v)
+                s_b += l_v
         else:
-            acc = tl.dot(b_a.to(op), b_v.to(op), acc, input_precision=DOT_PREC)
-            b_vg = b_v
-        tl.store(tile_ptrs(o, row0, pos, i_h, o_v, H, V), acc.to(o.dtype.element_ty),
-                 mask=mask_t[:, None] & mask_v[None, :])
+            b_a = _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, H, HK, K, BKI,
+                         G_MODE, USE_GK, GAMMA_MODE, LEVELS, DOT_PREC)
+            b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K).to(tl.float32) * scale
+            if KGATE:  # gated from the chunk's start
+                f, _ = _key_gate(seg_matrix(o_t, 2 * BT, DT), DT, g, gk, gamma, row0, pos,
+                                 mask_t, i_h, o_k, mask_k, H, K, G_MODE, USE_GK, GAMMA_MODE)
+                b_q *= f
+            acc = tl.dot(b_q.to(op), b_s.to(op), input_precision=DOT_PREC)
+            b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V)
+            if USE_GV:
+                b = decay_k_in(DV, gv, gv, 0., row0, pos, mask_t, i_h, o_v, mask_v, H, V, 0,
+                               True, 0)
+                acc *= exp_(seg_sums(seg_matrix(o_t, 2 * BT, DV), b, DV))
+                b_vf = b_v.to(tl.float32)
+                acc = tl.dot(tl.where(o_t[:, None] == o_t[None, :], b_a, 0.).to(op),
+                             b_v.to(op), acc, input_precision=DOT_PREC)
+                for lvl in range(0, LEVELS):  # chunk_output_kernel's value levels
+                    hl = (BT // 2) >> lvl
+                    x = exp_(seg_sums(seg_matrix(o_t, hl, DV), b, DV))
+                    b_al = tl.where(level_mask(o_t, hl), b_a, 0.).to(op)
+                    acc += x * tl.dot(b_al, (b_vf * x).to(op), input_precision=DOT_PREC)
+                b_vg, l_v = _value_gated(b_vf, b, DV)
+                b_s *= exp_(l_v)
+            else:
+                acc = tl.dot(b_a.to(op), b_v.to(op), acc, input_precision=DOT_PREC)
+                b_vg = b_v
+            tl.store(tile_ptrs(o, row0, pos, i_h, o_v, H, V), acc.to(o.dtype.element_ty),
+                     mask=mask_t[:, None] & mask_v[None, :])
         # k loaded (and its decays again, L1 hits) only now: q's tiles are dead by here
         b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K).to(tl.float32)
         if KGATE:  # gated to the chunk's end
-            f, decay = _key_gate(seg_matrix(o_t, BT, DT), DT, g, gk, gamma, row0, pos, mask_t,
-                                 i_h, o_k, mask_k, H, K, G_MODE, USE_GK, GAMMA_MODE)
+            f, l_k = _key_gate(seg_matrix(o_t, BT, DT), DT, g, gk, gamma, row0, pos, mask_t,
+                               i_h, o_k, mask_k, H, K, G_MODE, USE_GK, GAMMA_MODE)
             b_k *= f
-            b_s *= decay
+            b_s *= exp_(l_k)
+            if LOCAL:
+                s_a += l_k
         b_s = tl.dot(tl.trans(b_k.to(op)), b_vg.to(op), b_s, input_precision=DOT_PREC)
-    tl.store(ht + base + p_kv, b_s, mask=mask_h)
+    if LOCAL:
+        tl.store(ht + seg + p_kv, b_s, mask=mask_h)
+        if KGATE:  # every V block has the same sums: the first writes them
+            if i_v == 0:
+                tl.store(la + (i_nh.to(tl.int64) * NP + i_s) * K + o_k[:, None], s_a,
+                         mask=mask_k[:, None])
+        if USE_GV:  # every K block has the same sums: the first writes them
+            if i_k == 0:
+                tl.store(lb + (i_nh.to(tl.int64) * NP + i_s) * V + o_v[None, :], s_b,
+                         mask=mask_v[None, :])
+    elif NS == 1:
+        tl.store(ht + base + p_kv, b_s, mask=mask_h)
+    elif i_s == NS - 1:
+        tl.store(ht + base + p_kv, b_s, mask=mask_h)
 
 
 # ---------------------------------------------------------------- launch plans
@@ -218,29 +278,55 @@ def warps(plan) -> int:
 
 def forward_launches(plan) -> list:
     """Reads q, k, v, [g, gk, gv, g_gamma, initial_state, cu_seqlens]; writes o
-    [B,T,H,V] (q's dtype) and final_state [N,H,K,V] fp32, nothing else."""
+    [B,T,H,V] (q's dtype) and final_state [N,H,K,V] fp32: one launch, or with the
+    sequences split across programs (fused_chunk_split.py) three, through split_F,
+    split_la, split_lb and split_S."""
     c = config(plan)
     B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
+    NS = split.segments(plan, c["NV"] * N * H, BT)
     levels = BT.bit_length() - 1
     chunks = T // BT + N if plan.varlen else B * -(-T // BT)
     # per chunk and V block: A (levels + diagonal, [BT,K]x[K,BT] each), A v (gv: per
     # level too), q S and k^T v ([BT,K]x[K,BV])
     a_products = levels + 1 if key_gated(plan) else 1
     av_products = levels + 1 if plan.gv else 1
-    flops = 2 * BT * chunks * H * c["NV"] * (BT * K * a_products + BT * c["BV"] * av_products
-                                             + 2 * K * c["BV"])
-    return [Launch(
-        fused_chunk_fwd_kernel, grid=(c["NV"] * N * H,),
-        inputs=dict(q="q", k="k", v="v", **gate_inputs(plan),
-                    h0="initial_state" if plan.initial_state else None, **varlen_input(plan)),
-        scalars=dict(scale=plan.scale, T=T),
-        outputs=dict(o=Out("o", (B, T, H, V), "like:q"), ht=Out("final_state", (N, H, K, V))),
-        constexprs=dict(flags(plan), BT=BT, BK=c["BK"], BKI=c["BKI"], BV=c["BV"],
-                        USE_H0=plan.initial_state, LEVELS=levels, DOT_PREC=chunk.dot_precision(),
-                        STAGES=STAGES),
-        num_warps=warps(plan), num_stages=STAGES, dot_flops=int(flops),
-        bytes=int(sum(plan.nbytes(n) for n in plan.inputs()) + plan.nbytes("o")
-                  + plan.nbytes("final_state")))]
+    per_chunk = 2 * BT * H * c["NV"]
+    flops = per_chunk * chunks * (BT * K * a_products + BT * c["BV"] * av_products
+                                  + 2 * K * c["BV"])
+    state = N * H * K * V * 4
+    reads = sum(plan.nbytes(n) for n in plan.inputs())
+
+    def launch(grid, outputs, nbytes, flops, **kw):
+        return Launch(
+            fused_chunk_fwd_kernel, grid=(grid * c["NV"] * N * H,),
+            inputs=dict(q="q", k="k", v="v", **gate_inputs(plan), **varlen_input(plan),
+                        h0=kw.pop("h0")),
+            scalars=dict(scale=plan.scale, T=T), outputs=dict(dict(la=None, lb=None), **outputs),
+            constexprs=dict(dict(flags(plan), BT=BT, BK=c["BK"], BKI=c["BKI"], BV=c["BV"],
+                                 LEVELS=levels, DOT_PREC=chunk.dot_precision(),
+                                 STAGES=STAGES), **kw),
+            num_warps=warps(plan), num_stages=STAGES, dot_flops=int(flops), bytes=int(nbytes))
+
+    final = Out("final_state", (N, H, K, V))
+    o = dict(o=Out("o", (B, T, H, V), "like:q"), ht=final)
+    if NS == 1:
+        return [launch(1, o, reads + plan.nbytes("o") + state, flops,
+                       h0="initial_state" if plan.initial_state else None,
+                       USE_H0=plan.initial_state, NS=1, LOCAL=False)]
+    # the local pass: NS-1 of NS segments of k, v and the gates; no q, no o
+    part = (NS - 1) / NS
+    kv = sum(plan.nbytes(n) for n in plan.inputs() if n not in ("q", "initial_state"))
+    sums = dict(la=Out("split_la", (N, H, NS - 1, K)) if key_gated(plan) else None,
+                lb=Out("split_lb", (N, H, NS - 1, V)) if plan.gv else None)
+    bk = min(c["BK"], split.LOCAL_BK)
+    local = launch((NS - 1) * -(-K // bk), dict(o=None, ht=Out("split_F", (N, H, NS - 1, K, V)),
+                                                **sums),
+                   part * kv + (NS - 1) * state, part * per_chunk * chunks * K * c["BV"],
+                   h0=None, USE_H0=False, NS=NS, LOCAL=True, BK=bk)
+    output = launch(NS, o, reads - state * plan.initial_state + NS * state
+                    + plan.nbytes("o") + state, flops,
+                    h0="split_S", USE_H0=True, NS=NS, LOCAL=False)
+    return [local, split.combine_launch(plan, NS), output]
 
 
 def kept(plan) -> tuple:

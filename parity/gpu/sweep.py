@@ -10,6 +10,8 @@ their defaults on this device). Candidates that spill registers are kept: the ti
 decides.
 
 A new family is swept once it names its `SITES` and asks `tuning.pick` for them.
+fused_chunk's "split" site changes how many launches its forward has: the whole forward
+list is timed there, each candidate's own.
 """
 
 import time
@@ -57,16 +59,19 @@ def _lists(p, mode, override=None):
 
 
 def affected(p, mode, site, cands) -> list:
-    """(phase, index) of each launch that any of the site's candidates changes."""
+    """(phase, index) of each launch that any of the site's candidates changes; (phase,
+    -1), the whole phase, where a candidate changes the number of launches (fused_chunk's
+    split)."""
     base = _lists(p, mode)
     out = set()
     for fam, s, knobs in cands:
         lists = _lists(p, mode, {(fam, s): knobs})
         for phase, (a, b) in enumerate(zip(base, lists)):
             if len(a) != len(b):
-                out |= {(phase, i) for i in range(max(len(a), len(b)))}
+                out.add((phase, -1))
             out |= {(phase, i) for i, (x, y) in enumerate(zip(a, b)) if x != y}
-    return sorted(out)
+    whole = {phase for phase, i in out if i < 0}
+    return sorted((phase, i) for phase, i in out if i < 0 or phase not in whole)
 
 
 def by_site(plan):
@@ -90,7 +95,8 @@ def _env(plan, gates, mode, p):
 
 
 def measure(plan, gates, mode, p, cand, which, rep_ms):
-    """[microseconds] of the launches `which` of one candidate's call (module doc)."""
+    """[microseconds] of the launches `which` of one candidate's call (module doc): each
+    alone, or a whole phase's list in order for (phase, -1)."""
     from bridge.torch_runner import run
 
     from parity.bench import gpu
@@ -103,8 +109,8 @@ def measure(plan, gates, mode, p, cand, which, rep_ms):
     run(lists[1], env, autotune=False)
     times = []
     for phase, i in which:
-        launch = lists[phase][i]
-        times.append(gpu.bench(lambda: run([launch], env, autotune=False), plan.device,
+        launches = lists[phase] if i < 0 else [lists[phase][i]]
+        times.append(gpu.bench(lambda: run(launches, env, autotune=False), plan.device,
                                warmup_ms=max(rep_ms // 4, 1), rep_ms=rep_ms, host_calls=1)
                      * 1e3)
     return times
