@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ..launch import Launch, Out
-from . import chunk
+from . import chunk, fused_chunk_bwd
 from .common import (block_pos, check_k, decay_k_in, exact_dtype, exp_, flags, gate_inputs,
                      head_gamma, key_gated, level_mask, load_qk_tile, load_tile, next_pow2,
                      op_dtype, seg_matrix, seg_sums, seq_bounds, tile_ptrs, varlen_input)
@@ -249,7 +249,10 @@ def kept(plan) -> tuple:
 
 
 def backward_launches(plan, use_dht: bool, kept: tuple = ()) -> list:
-    """The chunk family's backward (module docstring); `kept` is `kept(plan)`: empty."""
+    """The on-chip backward (fused_chunk_bwd.py) where it takes the plan, else the chunk
+    family's launch list (module docstring); `kept` is `kept(plan)`: empty."""
     if kept:
         raise ValueError(f"kept: the fused_chunk backward reuses no forward buffer, got {kept}")
+    if fused_chunk_bwd.supported(plan):
+        return fused_chunk_bwd.launches(plan, use_dht)
     return chunk.backward_launches(plan, use_dht, kept=())
