@@ -27,6 +27,13 @@ ORACLE = backends.Oracle()
 FORWARD = ("o", "final_state")
 
 
+@pytest.fixture(autouse=True, params=["onchip"])
+def backward_choice(request, monkeypatch):
+    """The on-chip backward chosen (GLA_BRIDGE_FUSED_CHUNK_BWD) for every test here; the
+    chunk family's list is the default and mode="chunk"'s own tests cover it."""
+    monkeypatch.setenv("GLA_BRIDGE_FUSED_CHUNK_BWD", request.param)
+
+
 def run_family(case, arrays, dtype, backward=False, use_dht=True):
     """{o, final_state[, d<input>]} of fused_chunk's launch lists, float32 NumPy in each
     quantity's shape."""
@@ -157,8 +164,17 @@ def test_backward_gradients(case):
     assert_close(run_case(case, backward=True), "float32")
 
 
+def test_backward_default_is_chunk_family(monkeypatch):
+    monkeypatch.delenv("GLA_BRIDGE_FUSED_CHUNK_BWD")
+    plan = contract.check(np.zeros((1, 4, 1, 8), np.float32), np.zeros((1, 4, 1, 8), np.float32),
+                          np.zeros((1, 4, 1, 8), np.float32))
+    assert not fused_chunk_bwd.supported(plan)
+    names = [x.kernel.__name__ for x in fused_chunk.backward_launches(plan, True)]
+    assert names == [x.kernel.__name__ for x in family("chunk").backward_launches(plan, True)]
+
+
 def test_backward_two_value_blocks():
-    """V = 40 in fp32: two V blocks of 32, whose dq and dk partials the combine adds."""
+    """V = 40 in fp32: three V blocks of 16, whose dq and dk partials the combine adds."""
     case = C("bwd-blocks", T=40, H=1, Hk=1, K=16, V=40, g="key", initial_state=True)
     assert_close(run_case(case, backward=True), "float32")
 
@@ -213,16 +229,21 @@ PUBLIC = C("public", H=2, Hk=1, K=8, V=8, seqlens=(70, 0, 5), g="key", gv=True,
            g_gamma="seq", initial_state=True, packed=True)
 
 
+PUBLIC_ON_CHIP = C("public-on-chip", H=2, Hk=1, K=8, V=8, seqlens=(40, 0, 5), g="key",
+                   gk=True, initial_state=True, packed=True)
+
+
+@pytest.mark.parametrize("case", [PUBLIC, PUBLIC_ON_CHIP], ids=lambda c: c.name)
 @pytest.mark.parametrize("backend", ["torch-triton-fused-chunk", "jax-triton-fused-chunk"])
-def test_public_call_by_name(backend):
+def test_public_call_by_name(backend, case):
     """mode="fused_chunk" through the public torch_side / jax_side functions (their
     parity backends): o, final state and every gradient against the oracle."""
     b = {x.name: x for x in backends.all_backends()}[backend]
     if b.unavailable():
         pytest.skip(b.unavailable())
-    arrays = backends.prepared(PUBLIC, "float32", 0)
-    assert_close(errors(b.run(PUBLIC, arrays, "float32"),
-                        ORACLE.run(PUBLIC, arrays, "float32")), "float32")
+    arrays = backends.prepared(case, "float32", 0)
+    assert_close(errors(b.run(case, arrays, "float32"), ORACLE.run(case, arrays, "float32")),
+                 "float32")
 
 
 def test_dispatch_by_name_only():

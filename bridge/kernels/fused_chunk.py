@@ -19,14 +19,19 @@ Precision is the chunk family's: the same decay sums (exact fp32 sums of the
 decays' own values, as 1 or 3 16-bit tensor-core products), the same dot operands
 (the state as a dot operand in q's dtype, as chunk's h in bf16; fp32 "ieee").
 
-Backward: the chunk family's launch list (chunk.backward_launches, 64-token chunks),
-which recomputes the states and A from the inputs. Nothing is kept from the forward
-(autograd holds the inputs; the chunk family keeps its A as well, 67 MB
-at (8,4096,16,128,128) bf16). The backward's buffers there (`bridge.aot --report`'s
-workspace): 1.015 GB, the chunk family's 0.948 GB plus the A it recomputes, so the peak
-equals the chunk family's; its largest are the recomputed states h and dh, 512 slots x
-16 x 128 x 128 in bf16, 268 MB each. An on-chip reverse walk (dh in registers) is not
-written.
+Backward: by default the chunk family's launch list (chunk.backward_launches, 64-token
+chunks), which recomputes the states and A from the inputs. Nothing is kept from the
+forward (autograd holds the inputs; the chunk family keeps its A as well, 67 MB at
+(8,4096,16,128,128) bf16). Its buffers there (`bridge.aot --report`'s workspace):
+1.015 GB, the chunk family's 0.948 GB plus the A it recomputes; the largest are the
+recomputed states h and dh, 512 slots x 16 x 128 x 128 in bf16, 268 MB each.
+GLA_BRIDGE_FUSED_CHUNK_BWD=onchip chooses the on-chip backward (fused_chunk_bwd.py: a
+forward walk with S and a reverse walk with dh in registers, then fused_recurrent's
+combine pass) where it applies (no gv, no g_gamma, K <= 128), the chunk list elsewhere.
+It writes no h or dh but fp32 dq' and dk' partials per V block and dv' (1.342 GB of
+workspace at that shape, g [B,T,H,K]; 1.88 GB with the returned gradients, against the
+chunk family's 1.6 GB and fla's 3.1 GB), and its combine walks tokens one by one: it
+is not the default until measured on a GPU.
 
 Config: chunks of BT = 32 tokens: [BT, K] operand tiles of 64 rows beside an fp32
 state [128, 64] spilled on sm_90 at 8 warps (the chunk family's h / A stay in HBM

@@ -25,6 +25,8 @@ the exponent, the F-scaled operand in two pieces of its 16-bit dtype (chunk_bwd.
 dq and dk sides of a pair must round alike for the gate gradient).
 """
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -185,15 +187,15 @@ def fused_chunk_bwd_dkv_kernel(
         b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K)
         b_do = load_tile(do, row0, pos, i_h, o_v, mask_t, mask_v, H, V).to(op)
         b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V).to(op)
-        # through the chunk end's state gradient
-        acc_k = tl.dot(b_v, tl.trans(b_dh.to(op)), input_precision=DOT_PREC)
+        # through the chunk end's state gradient (one 16-bit copy of it for both)
+        dh_op = b_dh.to(op)
+        acc_k = tl.dot(b_v, tl.trans(dh_op), input_precision=DOT_PREC)
         if KGATE:
             f = _factor(a, o_t, BT, DT)
             acc_k *= f
-            acc_v = tl.dot((b_k.to(tl.float32) * f).to(op), b_dh.to(op),
-                           input_precision=DOT_PREC)
+            acc_v = tl.dot((b_k.to(tl.float32) * f).to(op), dh_op, input_precision=DOT_PREC)
         else:
-            acc_v = tl.dot(b_k.to(op), b_dh.to(op), input_precision=DOT_PREC)
+            acc_v = tl.dot(b_k.to(op), dh_op, input_precision=DOT_PREC)
         d_at = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)  # dA^T [s, t]
         if KGATE:
             for lvl in range(0, LEVELS):  # one level's tiles live at a time
@@ -236,16 +238,19 @@ LEVELS = BT.bit_length() - 1
 
 
 def supported(plan) -> bool:
-    """Whether these kernels take the plan: no value gate gv and no constant decay
-    g_gamma (their gradients are not written here), K <= 128."""
-    return not plan.gv and plan.g_gamma == "none" and plan.K <= 128
+    """Whether these kernels take the plan: chosen (GLA_BRIDGE_FUSED_CHUNK_BWD=onchip; the
+    default "chunk" keeps the chunk family's list, see fused_chunk.py), no value gate gv
+    and no constant decay g_gamma (their gradients are not written here), K <= 128."""
+    chosen = os.environ.get("GLA_BRIDGE_FUSED_CHUNK_BWD", "chunk") == "onchip"
+    return chosen and not plan.gv and plan.g_gamma == "none" and plan.K <= 128
 
 
 def config(plan) -> dict:
-    """All of K in one block; V blocks of 64 for 16-bit inputs, 32 for fp32 (FMA
-    products); 8 warps."""
+    """All of K in one block; V blocks of 64 for 16-bit inputs, 16 for fp32 (FMA
+    products); 8 warps: at K = V = 128 without spills on sm_90 (`python -m bridge.aot`
+    builds; sm_80 spills 56-472 bytes in fused_chunk_bwd_dkv_kernel, 16-bit)."""
     BK = max(16, next_pow2(plan.K))
-    BV = min(64 if plan.dtype in ("bfloat16", "float16") else 32, max(16, next_pow2(plan.V)))
+    BV = min(64 if plan.dtype in ("bfloat16", "float16") else 16, max(16, next_pow2(plan.V)))
     return dict(BK=BK, BV=BV, NV=-(-plan.V // BV), num_warps=8)
 
 
