@@ -25,13 +25,11 @@ forward (autograd holds the inputs; the chunk family keeps its A as well, 67 MB 
 (8,4096,16,128,128) bf16). Its buffers there (`bridge.aot --report`'s workspace):
 1.015 GB, the chunk family's 0.948 GB plus the A it recomputes; the largest are the
 recomputed states h and dh, 512 slots x 16 x 128 x 128 in bf16, 268 MB each.
-GLA_BRIDGE_FUSED_CHUNK_BWD=onchip chooses the on-chip backward (fused_chunk_bwd.py: a
-forward walk with S and a reverse walk with dh in registers, then fused_recurrent's
-combine pass) where it applies (no gv, no g_gamma, K <= 128), the chunk list elsewhere.
-It writes no h or dh but fp32 dq' and dk' partials per V block and dv' (1.342 GB of
-workspace at that shape, g [B,T,H,K]; 1.88 GB with the returned gradients, against the
-chunk family's 1.6 GB and fla's 3.1 GB), and its combine walks tokens one by one: it
-is not the default until measured on a GPU.
+GLA_BRIDGE_FUSED_CHUNK_BWD=onchip chooses the on-chip backward (fused_chunk_bwd.py: walks
+with S or dh in registers, then a combine pass) where it applies (no gv, no g_gamma,
+K, V <= 128), the chunk list elsewhere: no h or dh, only dq' and dk' in fp32, 0.537 GB of
+workspace at that shape (1.07 GB with the returned gradients, against the chunk
+family's 1.6 GB with its kept A and fla's 3.1 GB). Not the default until timed on a GPU.
 
 Config: chunks of BT = 32 tokens: [BT, K] operand tiles of 64 rows beside an fp32
 state [128, 64] spilled on sm_90 at 8 warps (the chunk family's h / A stay in HBM
