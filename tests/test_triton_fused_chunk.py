@@ -27,11 +27,10 @@ ORACLE = backends.Oracle()
 FORWARD = ("o", "final_state")
 
 
-@pytest.fixture(autouse=True, params=["onchip"])
-def backward_choice(request, monkeypatch):
-    """The on-chip backward chosen (GLA_BRIDGE_FUSED_CHUNK_BWD) for every test here; the
-    chunk family's list is the default and mode="chunk"'s own tests cover it."""
-    monkeypatch.setenv("GLA_BRIDGE_FUSED_CHUNK_BWD", request.param)
+@pytest.fixture(autouse=True)
+def default_backward(monkeypatch):
+    """The default backward choice (GLA_BRIDGE_FUSED_CHUNK_BWD unset) for every test here."""
+    monkeypatch.delenv("GLA_BRIDGE_FUSED_CHUNK_BWD", raising=False)
 
 
 def run_family(case, arrays, dtype, backward=False, use_dht=True):
@@ -164,18 +163,41 @@ def test_backward_gradients(case):
     assert_close(run_case(case, backward=True), "float32")
 
 
-def test_backward_default_is_chunk_family(monkeypatch):
-    monkeypatch.delenv("GLA_BRIDGE_FUSED_CHUNK_BWD")
+def test_backward_choice(monkeypatch):
+    """On chip by default; GLA_BRIDGE_FUSED_CHUNK_BWD=chunk takes the chunk family's list."""
     plan = contract.check(np.zeros((1, 4, 1, 8), np.float32), np.zeros((1, 4, 1, 8), np.float32),
                           np.zeros((1, 4, 1, 8), np.float32))
+    assert fused_chunk_bwd.supported(plan)
+    monkeypatch.setenv("GLA_BRIDGE_FUSED_CHUNK_BWD", "chunk")
     assert not fused_chunk_bwd.supported(plan)
     names = [x.kernel.__name__ for x in fused_chunk.backward_launches(plan, True)]
     assert names == [x.kernel.__name__ for x in family("chunk").backward_launches(plan, True)]
 
 
-def test_backward_two_value_blocks():
-    """V = 40 in fp32: three V blocks of 16, whose dq and dk partials the combine adds."""
-    case = C("bwd-blocks", T=40, H=1, Hk=1, K=16, V=40, g="key", initial_state=True)
+def test_backward_rule():
+    """Which plans the on-chip walks take (fused_chunk_bwd.supported): those whose builds
+    have no spills; no gv, no g_gamma."""
+    def plan(K, V, dtype="bfloat16", **gates):
+        return contract.Plan(B=1, T=64, H=2, Hk=2, K=K, V=V, N=1, g=gates.get("g", "none"),
+                             gk=gates.get("gk", False), gv=gates.get("gv", False),
+                             g_gamma=gates.get("g_gamma", "none"), initial_state=False,
+                             scale=0.1, reverse=False, varlen=False, packed=False, dtype=dtype)
+
+    assert fused_chunk_bwd.supported(plan(128, 128, g="key"))
+    assert fused_chunk_bwd.supported(plan(128, 128, "float16", g="head"))
+    assert not fused_chunk_bwd.supported(plan(128, 256))
+    assert not fused_chunk_bwd.supported(plan(128, 128, g="key", gk=True))
+    assert fused_chunk_bwd.supported(plan(64, 64, g="key", gk=True))
+    assert not fused_chunk_bwd.supported(plan(128, 128, "float32"))
+    assert fused_chunk_bwd.supported(plan(64, 64, "float32", gk=True))
+    assert not fused_chunk_bwd.supported(plan(64, 64, gv=True))
+    assert not fused_chunk_bwd.supported(plan(64, 64, g_gamma="head"))
+
+
+def test_backward_several_blocks():
+    """K = 40, V = 40 in fp32: the dq and dk walks take three K blocks of 16, the dv walk
+    three V blocks."""
+    case = C("bwd-blocks", T=40, H=1, Hk=1, K=40, V=40, g="key", initial_state=True)
     assert_close(run_case(case, backward=True), "float32")
 
 

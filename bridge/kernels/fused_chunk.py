@@ -19,17 +19,15 @@ Precision is the chunk family's: the same decay sums (exact fp32 sums of the
 decays' own values, as 1 or 3 16-bit tensor-core products), the same dot operands
 (the state as a dot operand in q's dtype, as chunk's h in bf16; fp32 "ieee").
 
-Backward: by default the chunk family's launch list (chunk.backward_launches, 64-token
-chunks), which recomputes the states and A from the inputs. Nothing is kept from the
-forward (autograd holds the inputs; the chunk family keeps its A as well, 67 MB at
-(8,4096,16,128,128) bf16). Its buffers there (`bridge.aot --report`'s workspace):
-1.015 GB, the chunk family's 0.948 GB plus the A it recomputes; the largest are the
-recomputed states h and dh, 512 slots x 16 x 128 x 128 in bf16, 268 MB each.
-GLA_BRIDGE_FUSED_CHUNK_BWD=onchip chooses the on-chip backward (fused_chunk_bwd.py: walks
-with S or dh in registers, then a combine pass) where it applies (no gv, no g_gamma,
-K, V <= 128), the chunk list elsewhere: no h or dh, only dq' and dk' in fp32, 0.537 GB of
-workspace at that shape (1.07 GB with the returned gradients, against the chunk
-family's 1.6 GB with its kept A and fla's 3.1 GB). Not the default until timed on a GPU.
+Backward: fused_chunk_bwd.py's walks with S or dh in registers and a combine pass, where
+they apply (fused_chunk_bwd.supported: no gv, no g_gamma, K, V <= 128 in 16 bits), else
+the chunk family's launch list (chunk.backward_launches, 64-token chunks, which
+recomputes the states h and dh and A into HBM); GLA_BRIDGE_FUSED_CHUNK_BWD=chunk takes
+the chunk list always. Nothing is kept from the forward (autograd holds the inputs).
+The buffers beyond the returned gradients at (8,4096,16,128,128) bf16 (`bridge.aot
+--report`'s workspace): 0.537 GB on chip (dq' and dk' in fp32; 1.07 GB with the
+gradients, against the chunk family's 1.6 GB with its kept A and fla's 3.1 GB); 1.015 GB
+through the chunk list (h and dh 268 MB each in bf16).
 
 Config: chunks of BT = 32 tokens: [BT, K] operand tiles of 64 rows beside an fp32
 state [128, 64] spilled on sm_90 at 8 warps (the chunk family's h / A stay in HBM

@@ -28,8 +28,8 @@ two sides of a pair must round alike for the gate gradient). The walks split K (
 or V (dv) into blocks so that no gradient is a partial sum over blocks.
 
 Not here (the chunk family's list runs instead, fused_chunk.backward_launches): the value
-gate gv (its gradient needs o' do and value levels) and g_gamma (its gradient is not a
-cumulative sum, see chunk_bwd.py); K or V > 128.
+gate gv (its gradient needs o' do and value levels), g_gamma (its gradient is not a
+cumulative sum, see chunk_bwd.py), and the shapes whose builds spill (`supported`).
 
 Memory at (8,4096,16,128,128) bf16, g [B,T,H,K] (`bridge.aot --report`'s workspace, the
 buffers beyond the returned gradients): dq' and dk' in fp32, 268 MB each, 0.537 GB; the
@@ -323,12 +323,17 @@ LEVELS = BT.bit_length() - 1
 
 
 def supported(plan) -> bool:
-    """Whether these kernels take the plan: chosen (GLA_BRIDGE_FUSED_CHUNK_BWD=onchip; the
-    default "chunk" keeps the chunk family's list, see fused_chunk.py), no value gate gv
-    and no constant decay g_gamma (their gradients are not written here), K, V <= 128."""
-    chosen = os.environ.get("GLA_BRIDGE_FUSED_CHUNK_BWD", "chunk") == "onchip"
-    return (chosen and not plan.gv and plan.g_gamma == "none" and plan.K <= 128
-            and plan.V <= 128)
+    """Whether these kernels take the plan: not opted out (GLA_BRIDGE_FUSED_CHUNK_BWD=chunk
+    keeps the chunk family's list), no value gate gv and no constant decay g_gamma (their
+    gradients are not written here), and shapes whose builds have no register spills on
+    sm_80 and sm_90 (`config`): K, V <= 128 in 16 bits (<= 64 with both g and gk, whose
+    decays the dv walk splits into 3 pieces), <= 64 in fp32 (FMA products)."""
+    if os.environ.get("GLA_BRIDGE_FUSED_CHUNK_BWD", "onchip") == "chunk":
+        return False
+    if plan.gv or plan.g_gamma != "none":
+        return False
+    wide = plan.dtype in ("bfloat16", "float16") and not (plan.g != "none" and plan.gk)
+    return max(plan.K, plan.V) <= (128 if wide else 64)
 
 
 def config(plan) -> dict:
