@@ -78,6 +78,35 @@ def _key_decays(g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H: tl.constex
 
 
 @triton.jit
+def _program(cu_seqlens, g_gamma, T, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
+             V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
+             NV: tl.constexpr, IS_VARLEN: tl.constexpr, GAMMA_MODE: tl.constexpr):
+    """This program's (sequence x head, K block, V block) on grid axis x: i_nh, its query
+    and kv heads, the sequence's rows, its constant decay, the int64 base of its [K, V]
+    state, the block's key and value columns, their masks and the int32 offsets of the
+    [BK, BV] state tile."""
+    pid = tl.program_id(0)
+    i_nh, i_kv = pid // (NK * NV), pid % (NK * NV)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    o_k = (i_kv // NV) * BK + tl.arange(0, BK)
+    o_v = (i_kv % NV) * BV + tl.arange(0, BV)
+    return (i_nh, i_h, i_h // (H // HK), bos, eos, head_gamma(g_gamma, i_n, i_h, H, GAMMA_MODE),
+            i_nh.to(tl.int64) * K * V, o_k, o_v, o_k < K, o_v < V,
+            o_k[:, None] * V + o_v[None, :])
+
+
+@triton.jit
+def _state_in(x, base, p_kv, mask_k, mask_v, USE: tl.constexpr):
+    """The [BK, BV] tile of a [N,H,K,V] state x in fp32 (zeros without USE)."""
+    s = tl.zeros(p_kv.shape, dtype=tl.float32)
+    if USE:
+        s += tl.load(x + base + p_kv, mask=mask_k[:, None] & mask_v[None, :],
+                     other=0.).to(tl.float32)
+    return s
+
+
+@triton.jit
 def fused_chunk_bwd_dq_kernel(
     q, k, v, g, gk, g_gamma, h0, cu_seqlens, do, dht,
     scale, T,
@@ -91,27 +120,15 @@ def fused_chunk_bwd_dq_kernel(
     """One (sequence x head, K block), all of V (BV >= V): dq' [B,T,H,K] fp32 and, with
     USE_DHT and g or gk, dfa [N,H,K] = sum_V dht S~_T (0 for an empty sequence)."""
     scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
-    pid = tl.program_id(0)
-    i_nh, i_k = pid // NK, pid % NK
-    i_n, i_h = i_nh // H, i_nh % H
-    i_hk = i_h // (H // HK)
+    i_nh, i_h, i_hk, bos, eos, gamma, base, o_k, o_v, mask_k, mask_v, p_kv = _program(
+        cu_seqlens, g_gamma, T, H, HK, K, V, BK, BV, NK, 1, IS_VARLEN, GAMMA_MODE)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
     FINAL_A: tl.constexpr = USE_DHT and ((G_MODE > 0) or USE_GK)
     DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE, USE_GK,
                                    GAMMA_MODE)
     op: tl.constexpr = op_dtype(q.dtype.element_ty)
-    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
-    gamma = head_gamma(g_gamma, i_n, i_h, H, GAMMA_MODE)
     o_t = tl.arange(0, BT)
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = tl.arange(0, BV)
-    mask_k, mask_v = o_k < K, o_v < V
-    base = i_nh.to(tl.int64) * K * V
-    p_kv = o_k[:, None] * V + o_v[None, :]
-    b_s = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        b_s += tl.load(h0 + base + p_kv, mask=mask_k[:, None] & mask_v[None, :],
-                       other=0.).to(tl.float32)
+    b_s = _state_in(h0, base, p_kv, mask_k, mask_v, USE_H0)
     n = eos - bos
     for c in range(0, tl.cdiv(n, BT)):
         row0, pos, mask_t = block_pos(bos, eos, c * BT, BT, REVERSE)
@@ -170,26 +187,14 @@ def fused_chunk_bwd_dkv_kernel(
     registers. DK (all of V, NV = 1): dk' [B,T,H,K] fp32. DV (all of K, NK = 1): dv per
     query head [B,T,H,V] with the step's own term, and (USE_H0) dh0 [N,H,K,V] fp32."""
     scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
-    pid = tl.program_id(0)
-    i_nh, i_kv = pid // (NK * NV), pid % (NK * NV)
-    i_k, i_v = i_kv // NV, i_kv % NV
-    i_n, i_h = i_nh // H, i_nh % H
-    i_hk = i_h // (H // HK)
+    i_nh, i_h, i_hk, bos, eos, gamma, base, o_k, o_v, mask_k, mask_v, p_kv = _program(
+        cu_seqlens, g_gamma, T, H, HK, K, V, BK, BV, NK, NV, IS_VARLEN, GAMMA_MODE)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
     DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE, USE_GK,
                                    GAMMA_MODE)
     op: tl.constexpr = op_dtype(q.dtype.element_ty)
-    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
-    gamma = head_gamma(g_gamma, i_n, i_h, H, GAMMA_MODE)
     o_t = tl.arange(0, BT)
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    mask_k, mask_v = o_k < K, o_v < V
-    base = i_nh.to(tl.int64) * K * V
-    p_kv = o_k[:, None] * V + o_v[None, :]
-    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
-        b_dh += tl.load(dht + base + p_kv, mask=mask_k[:, None] & mask_v[None, :], other=0.)
+    b_dh = _state_in(dht, base, p_kv, mask_k, mask_v, USE_DHT)
     nc = tl.cdiv(eos - bos, BT)
     for i in range(0, nc):
         row0, pos, mask_t = block_pos(bos, eos, (nc - 1 - i) * BT, BT, REVERSE)
