@@ -1,9 +1,10 @@
 """mode="fused_chunk" (one launch, the state on chip through the chunk loop) against the
 float64 oracle: o and the final state on every gate kind, reverse, initial state,
 varlen (empty and one-token sequences), GQA, the three dtypes, strong gates and
-sequences of several 64-token chunks; its backward (the chunk family's launch list)
-against the oracle's gradients through the family's own plan. Run through
-bridge.torch_runner directly, in Triton's interpreter on this CPU machine.
+sequences of several chunks; its backward against the oracle's gradients through the
+family's own plan: the on-chip walks (fused_chunk_bwd.py) on every variant they take, the
+chunk family's launch list on the others (gv, g_gamma). Run through bridge.torch_runner
+directly, in Triton's interpreter on this CPU machine.
 """
 
 import numpy as np
@@ -15,7 +16,7 @@ pytest.importorskip("triton")
 import bridge.kernels  # noqa: E402,F401  (decides the interpreter before triton is imported)
 from bridge import contract, grads, torch_runner  # noqa: E402
 from bridge.contract import PER_TOKEN  # noqa: E402
-from bridge.kernels import family, fused_chunk  # noqa: E402
+from bridge.kernels import family, fused_chunk, fused_chunk_bwd  # noqa: E402
 from parity import backends, cases  # noqa: E402
 from parity.compare import assert_close, errors, rel_err, tolerance  # noqa: E402
 # the chunk family's cases: every gate kind, reverse, varlen with empty and one-token
@@ -26,7 +27,13 @@ ORACLE = backends.Oracle()
 FORWARD = ("o", "final_state")
 
 
-def run_family(case, arrays, dtype, backward=False):
+@pytest.fixture(autouse=True)
+def default_backward(monkeypatch):
+    """The default backward choice (GLA_BRIDGE_FUSED_CHUNK_BWD unset) for every test here."""
+    monkeypatch.delenv("GLA_BRIDGE_FUSED_CHUNK_BWD", raising=False)
+
+
+def run_family(case, arrays, dtype, backward=False, use_dht=True):
     """{o, final_state[, d<input>]} of fused_chunk's launch lists, float32 NumPy in each
     quantity's shape."""
     t = cases.to_torch(arrays, getattr(torch, dtype))
@@ -42,17 +49,25 @@ def run_family(case, arrays, dtype, backward=False):
     assert env["o"].dtype == t["q"].dtype and env["final_state"].dtype == torch.float32
     out = {"o": env["o"], "final_state": env["final_state"]}
     if backward:
-        torch_runner.run(mod.backward_launches(plan, True, mod.kept(plan)), env)
+        if not use_dht:
+            env.pop("dfinal_state")
+        bwd = mod.backward_launches(plan, use_dht, mod.kept(plan))
+        on_chip = fused_chunk_bwd.supported(plan)
+        assert on_chip == any(x.kernel is fused_chunk_bwd.fused_chunk_bwd_dkv_kernel
+                              for x in bwd), [x.kernel.__name__ for x in bwd]
+        torch_runner.run(bwd, env)
         out.update({"d" + n: gr for n, gr in grads.assemble(plan, env).items()})
     return {n: x.float().numpy().reshape(arrays["do" if n == "o" else n[1:]].shape
                                          if n != "final_state" else x.shape)
             for n, x in out.items()}
 
 
-def run_case(case, dtype="float32", seed=0, backward=False):
+def run_case(case, dtype="float32", seed=0, backward=False, use_dht=True):
     """{quantity: relative error} against the oracle on the same rounded inputs."""
     arrays = backends.prepared(case, dtype, seed)
-    got = run_family(case, arrays, dtype, backward)
+    if not use_dht:
+        arrays["dfinal_state"] = np.zeros_like(arrays["dfinal_state"])
+    got = run_family(case, arrays, dtype, backward, use_dht)
     want = ORACLE.run(case, arrays, dtype)
     if not backward:
         want = {n: want[n] for n in FORWARD}
@@ -130,13 +145,84 @@ def test_one_token_sequences_and_empty():
 
 
 @pytest.mark.parametrize("case", [
+    # the chunk family's launch list (gv, g_gamma)
     C("bwd-everything", H=2, Hk=1, K=5, V=7, g="key", gk=True, gv=True, g_gamma="seq",
       initial_state=True, reverse=True, seqlens=(70, 1, 0, 18), packed=True),
+    # the on-chip walks: 16-token chunks, so every case crosses several
+    C("bwd-plain-gqa", T=40, H=4, Hk=2, K=8, V=8),
     C("bwd-head-gqa", T=80, H=4, Hk=2, K=8, V=8, g="head", initial_state=True),
+    C("bwd-key-gk-rev", T=37, H=1, Hk=1, K=8, V=12, g="key", gk=True, initial_state=True,
+      reverse=True),
+    C("bwd-head-gk-varlen", H=2, Hk=1, K=5, V=7, g="head", gk=True, initial_state=True,
+      reverse=True, seqlens=(70, 1, 0, 18), packed=True),
+    C("bwd-gk-varlen-empty-first", H=1, Hk=1, K=8, V=8, gk=True, seqlens=(0, 33, 1),
+      packed=True),
 ], ids=lambda c: c.name)
 def test_backward_gradients(case):
     """Every gradient through the family's backward plan, against the oracle's."""
     assert_close(run_case(case, backward=True), "float32")
+
+
+def test_backward_choice(monkeypatch):
+    """On chip by default; GLA_BRIDGE_FUSED_CHUNK_BWD=chunk takes the chunk family's list."""
+    plan = contract.check(np.zeros((1, 4, 1, 8), np.float32), np.zeros((1, 4, 1, 8), np.float32),
+                          np.zeros((1, 4, 1, 8), np.float32))
+    assert fused_chunk_bwd.supported(plan)
+    monkeypatch.setenv("GLA_BRIDGE_FUSED_CHUNK_BWD", "chunk")
+    assert not fused_chunk_bwd.supported(plan)
+    names = [x.kernel.__name__ for x in fused_chunk.backward_launches(plan, True)]
+    assert names == [x.kernel.__name__ for x in family("chunk").backward_launches(plan, True)]
+
+
+def test_backward_rule():
+    """Which plans the on-chip walks take (fused_chunk_bwd.supported): those whose builds
+    have no spills; no gv, no g_gamma."""
+    def plan(K, V, dtype="bfloat16", **gates):
+        return contract.Plan(B=1, T=64, H=2, Hk=2, K=K, V=V, N=1, g=gates.get("g", "none"),
+                             gk=gates.get("gk", False), gv=gates.get("gv", False),
+                             g_gamma=gates.get("g_gamma", "none"), initial_state=False,
+                             scale=0.1, reverse=False, varlen=False, packed=False, dtype=dtype)
+
+    assert fused_chunk_bwd.supported(plan(128, 128, g="key"))
+    assert fused_chunk_bwd.supported(plan(128, 128, "float16", g="head"))
+    assert not fused_chunk_bwd.supported(plan(128, 256))
+    assert not fused_chunk_bwd.supported(plan(128, 128, g="key", gk=True))
+    assert fused_chunk_bwd.supported(plan(64, 64, g="key", gk=True))
+    assert not fused_chunk_bwd.supported(plan(128, 128, "float32"))
+    assert fused_chunk_bwd.supported(plan(64, 64, "float32", gk=True))
+    assert not fused_chunk_bwd.supported(plan(64, 64, gv=True))
+    assert not fused_chunk_bwd.supported(plan(64, 64, g_gamma="head"))
+
+
+def test_backward_several_blocks():
+    """K = 40, V = 40 in fp32: the dq and dk walks take three K blocks of 16, the dv walk
+    three V blocks."""
+    case = C("bwd-blocks", T=40, H=1, Hk=1, K=40, V=40, g="key", initial_state=True)
+    assert_close(run_case(case, backward=True), "float32")
+
+
+def test_backward_without_final_state_cotangent():
+    case = C("bwd-no-dht", T=40, H=2, Hk=1, K=8, V=8, g="key", initial_state=True)
+    assert_close(run_case(case, backward=True, use_dht=False), "float32")
+
+
+@pytest.mark.parametrize("gate_scale", [10.0, 1e4])
+def test_backward_strong_gates(gate_scale):
+    """Log gates of -0.2..-10 (and -2e3..-1e4: every chunk's decay underflows) a step over
+    7 chunks: exponents are sums of consecutive decays, the gate gradients stay within the
+    fp32 tolerance and finite."""
+    case = C("bwd-strong", T=100, H=1, Hk=1, K=16, V=16, g="key", gk=True,
+             initial_state=True, gate_scale=gate_scale)
+    errs = run_case(case, backward=True)
+    assert all(np.isfinite(v) for v in errs.values()), errs
+    assert_close(errs, "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_backward_low_precision(dtype):
+    """16-bit operands, fp32 accumulation: every gradient within the dtype's tolerance."""
+    case = C("bwd-low", T=50, H=2, Hk=1, K=16, V=24, g="key", initial_state=True)
+    assert_close(run_case(case, dtype, backward=True), dtype)
 
 
 def test_k_too_large_raises():
@@ -165,16 +251,21 @@ PUBLIC = C("public", H=2, Hk=1, K=8, V=8, seqlens=(70, 0, 5), g="key", gv=True,
            g_gamma="seq", initial_state=True, packed=True)
 
 
+PUBLIC_ON_CHIP = C("public-on-chip", H=2, Hk=1, K=8, V=8, seqlens=(40, 0, 5), g="key",
+                   gk=True, initial_state=True, packed=True)
+
+
+@pytest.mark.parametrize("case", [PUBLIC, PUBLIC_ON_CHIP], ids=lambda c: c.name)
 @pytest.mark.parametrize("backend", ["torch-triton-fused-chunk", "jax-triton-fused-chunk"])
-def test_public_call_by_name(backend):
+def test_public_call_by_name(backend, case):
     """mode="fused_chunk" through the public torch_side / jax_side functions (their
     parity backends): o, final state and every gradient against the oracle."""
     b = {x.name: x for x in backends.all_backends()}[backend]
     if b.unavailable():
         pytest.skip(b.unavailable())
-    arrays = backends.prepared(PUBLIC, "float32", 0)
-    assert_close(errors(b.run(PUBLIC, arrays, "float32"),
-                        ORACLE.run(PUBLIC, arrays, "float32")), "float32")
+    arrays = backends.prepared(case, "float32", 0)
+    assert_close(errors(b.run(case, arrays, "float32"), ORACLE.run(case, arrays, "float32")),
+                 "float32")
 
 
 def test_dispatch_by_name_only():

@@ -24,14 +24,15 @@ Precision is the chunk family's: the same decay sums (exact fp32 sums of the
 decays' own values, as 1 or 3 16-bit tensor-core products), the same dot operands
 (the state as a dot operand in q's dtype, as chunk's h in bf16; fp32 "ieee").
 
-Backward: the chunk family's launch list (chunk.backward_launches, 64-token chunks),
-which recomputes the states and A from the inputs. Nothing is kept from the forward
-(autograd holds the inputs; the chunk family keeps its A as well, 67 MB
-at (8,4096,16,128,128) bf16). The backward's buffers there (`bridge.aot --report`'s
-workspace): 1.015 GB, the chunk family's 0.948 GB plus the A it recomputes, so the peak
-equals the chunk family's; its largest are the recomputed states h and dh, 512 slots x
-16 x 128 x 128 in bf16, 268 MB each. An on-chip reverse walk (dh in registers) is not
-written.
+Backward: fused_chunk_bwd.py's walks with S or dh in registers and a combine pass, where
+they apply (fused_chunk_bwd.supported: no gv, no g_gamma, K, V <= 128 in 16 bits), else
+the chunk family's launch list (chunk.backward_launches, 64-token chunks, which
+recomputes the states h and dh and A into HBM); GLA_BRIDGE_FUSED_CHUNK_BWD=chunk takes
+the chunk list always. Nothing is kept from the forward (autograd holds the inputs).
+The buffers beyond the returned gradients at (8,4096,16,128,128) bf16 (`bridge.aot
+--report`'s workspace): 0.537 GB on chip (dq' and dk' in fp32; 1.07 GB with the
+gradients, against the chunk family's 1.6 GB with its kept A and fla's 3.1 GB); 1.015 GB
+through the chunk list (h and dh 268 MB each in bf16).
 
 Config: chunks of BT = 32 tokens: [BT, K] operand tiles of 64 rows beside an fp32
 state [128, 64] spilled on sm_90 at 8 warps (the chunk family's h / A stay in HBM
@@ -43,7 +44,8 @@ import triton
 import triton.language as tl
 
 from ..launch import Launch, Out
-from . import chunk, fused_chunk_split as split
+from . import chunk, fused_chunk_bwd
+from . import fused_chunk_split as split
 from .common import (block_pos, check_k, decay_k_in, exact_dtype, exp_, flags, gate_inputs,
                      head_gamma, key_gated, level_mask, load_qk_tile, load_tile, next_pow2,
                      op_dtype, seg_matrix, seg_sums, seq_bounds, tile_ptrs, varlen_input)
@@ -335,7 +337,10 @@ def kept(plan) -> tuple:
 
 
 def backward_launches(plan, use_dht: bool, kept: tuple = ()) -> list:
-    """The chunk family's backward (module docstring); `kept` is `kept(plan)`: empty."""
+    """The on-chip backward (fused_chunk_bwd.py) where it takes the plan, else the chunk
+    family's launch list (module docstring); `kept` is `kept(plan)`: empty."""
     if kept:
         raise ValueError(f"kept: the fused_chunk backward reuses no forward buffer, got {kept}")
+    if fused_chunk_bwd.supported(plan):
+        return fused_chunk_bwd.launches(plan, use_dht)
     return chunk.backward_launches(plan, use_dht, kept=())

@@ -1,0 +1,424 @@
+"""The on-chip backward of mode="fused_chunk": three walks over 16-token chunks with the
+state or its gradient in registers, then a combine pass; no per-chunk states in HBM.
+
+Notation of fused_recurrent.py's module docstring (S~_t: the state before step t adds its
+own token; the primed gradients leave out the step's own q.k term). Per chunk, with the
+key decays from the chunk start to t (A_t) and from t + 1 to its end, and pairs s < t:
+
+  fused_chunk_bwd_dq_kernel   the forward walk again, one program per (sequence x head,
+      K block) with S [BK, V] fp32 in registers: dq'_t = scale e^(A_t) S_start do_t
+      + scale sum_{s<t} (do_t.v_s) (decay s..t) k_s, [B,T,H,K] fp32; with dht and g or gk
+      also sum_V dht S~_T [N,H,K] (the last token's k v left out of the last update).
+  fused_chunk_bwd_dkv_kernel  the reverse walk, dS fp32 in registers from dht, chunks last
+      to first, dS_start = e^(chunk) dS_end + scale (q gated from the start)^T do:
+      DK, per K block (all of V): dk'_s = (dS_end v_s)(decay to the end)
+          + scale sum_{t>s} (do_t.v_s) (decay s..t) q_t, [B,T,H,K] fp32;
+      DV, per V block (all of K): dv_s = (k_s gated to the end) dS_end + sum_{t>=s} A_ts do_t
+          in v's dtype (fp32 per query head with GQA), and d(initial_state).
+  fused_chunk_bwd_combine_kernel  per (sequence x head), chunks last to first: dq, dk with
+      the step's own terms, and the key-gate gradient as fused_recurrent's reverse
+      cumulative sum of q dq' - k dk' from the final-state term, inside a chunk one exact
+      table product (common.seg_sums), across chunks a carried [K] sum.
+
+Decays inside a chunk are common.seg_sums of the log decays (sums of consecutive decays,
+exact fp32 sums of the decays' own values); the pairs s < t by levels of their highest
+differing position bit (chunk_fwd.py), each level's decay F(t) F(s), both exponents <= 0;
+the F-scaled operand of dq' and dk' in two pieces of its 16-bit dtype (chunk_bwd.py: the
+two sides of a pair must round alike for the gate gradient). The walks split K (dq, dk)
+or V (dv) into blocks so that no gradient is a partial sum over blocks.
+
+Not here (the chunk family's list runs instead, fused_chunk.backward_launches): the value
+gate gv (its gradient needs o' do and value levels), g_gamma (its gradient is not a
+cumulative sum, see chunk_bwd.py), and the shapes whose builds spill (`supported`).
+
+Memory at (8,4096,16,128,128) bf16, g [B,T,H,K] (`bridge.aot --report`'s workspace, the
+buffers beyond the returned gradients): dq' and dk' in fp32, 268 MB each, 0.537 GB; the
+chunk family's backward 0.948 GB (h, dh, kg, qg, dA), fused_chunk's fallback to it 1.015 GB.
+"""
+
+import os
+
+import triton
+import triton.language as tl
+
+from ..contract import ITEMSIZE
+from ..launch import Launch, Out
+from . import chunk
+from .common import (block_pos, decay_k_in, exact_dtype, exp_, flags, head_gamma, level_mask,
+                     load_tile, next_pow2, op_dtype, present, seg_matrix, seg_sums, seq_bounds,
+                     tile_ptrs, varlen_input)
+
+
+@triton.jit
+def _factor(a, o_t, h, DT: tl.constexpr):
+    """exp of the segmented sums of level h (common.seg_matrix) of the log decays a
+    [BT, BK]: h = 2 BT from the chunk start to t, BT from t + 1 to the chunk end."""
+    return exp_(seg_sums(seg_matrix(o_t, h, DT), a, DT))
+
+
+@triton.jit
+def _dot2(w, y, op: tl.constexpr, DOT_PREC: tl.constexpr):
+    """w @ y for fp32 y [BT, D] in two pieces of the 16-bit dtype op (one for fp32)."""
+    y0 = y.to(op)
+    if op == tl.float32:
+        return tl.dot(w, y0, input_precision=DOT_PREC)
+    p = tl.dot(w, (y - y0.to(tl.float32)).to(op), input_precision=DOT_PREC)
+    return tl.dot(w, y0, p, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _key_decays(g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H: tl.constexpr,
+                K: tl.constexpr, G_MODE: tl.constexpr, USE_GK: tl.constexpr,
+                GAMMA_MODE: tl.constexpr):
+    """The key-side log decays of a chunk [BT, BK] in their exact dtype (common.decay_k_in)."""
+    DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE, USE_GK,
+                                   GAMMA_MODE)
+    return decay_k_in(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K, G_MODE,
+                      USE_GK, GAMMA_MODE)
+
+
+@triton.jit
+def _program(cu_seqlens, g_gamma, T, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
+             V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
+             NV: tl.constexpr, IS_VARLEN: tl.constexpr, GAMMA_MODE: tl.constexpr):
+    """This program's (sequence x head, K block, V block) on grid axis x: i_nh, its query
+    and kv heads, the sequence's rows, its constant decay, the int64 base of its [K, V]
+    state, the block's key and value columns, their masks and the int32 offsets of the
+    [BK, BV] state tile."""
+    pid = tl.program_id(0)
+    i_nh, i_kv = pid // (NK * NV), pid % (NK * NV)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    o_k = (i_kv // NV) * BK + tl.arange(0, BK)
+    o_v = (i_kv % NV) * BV + tl.arange(0, BV)
+    return (i_nh, i_h, i_h // (H // HK), bos, eos, head_gamma(g_gamma, i_n, i_h, H, GAMMA_MODE),
+            i_nh.to(tl.int64) * K * V, o_k, o_v, o_k < K, o_v < V,
+            o_k[:, None] * V + o_v[None, :])
+
+
+@triton.jit
+def _state_in(x, base, p_kv, mask_k, mask_v, USE: tl.constexpr):
+    """The [BK, BV] tile of a [N,H,K,V] state x in fp32 (zeros without USE)."""
+    s = tl.zeros(p_kv.shape, dtype=tl.float32)
+    if USE:
+        s += tl.load(x + base + p_kv, mask=mask_k[:, None] & mask_v[None, :],
+                     other=0.).to(tl.float32)
+    return s
+
+
+@triton.jit
+def fused_chunk_bwd_dq_kernel(
+    q, k, v, g, gk, g_gamma, h0, cu_seqlens, do, dht,
+    scale, T,
+    dq, dfa,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
+    G_MODE: tl.constexpr, USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr,
+    USE_H0: tl.constexpr, USE_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    REVERSE: tl.constexpr, LEVELS: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """One (sequence x head, K block), all of V (BV >= V): dq' [B,T,H,K] fp32 and, with
+    USE_DHT and g or gk, dfa [N,H,K] = sum_V dht S~_T (0 for an empty sequence)."""
+    scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
+    i_nh, i_h, i_hk, bos, eos, gamma, base, o_k, o_v, mask_k, mask_v, p_kv = _program(
+        cu_seqlens, g_gamma, T, H, HK, K, V, BK, BV, NK, 1, IS_VARLEN, GAMMA_MODE)
+    KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
+    FINAL_A: tl.constexpr = USE_DHT and ((G_MODE > 0) or USE_GK)
+    DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE, USE_GK,
+                                   GAMMA_MODE)
+    op: tl.constexpr = op_dtype(q.dtype.element_ty)
+    o_t = tl.arange(0, BT)
+    b_s = _state_in(h0, base, p_kv, mask_k, mask_v, USE_H0)
+    n = eos - bos
+    for c in range(0, tl.cdiv(n, BT)):
+        row0, pos, mask_t = block_pos(bos, eos, c * BT, BT, REVERSE)
+        a = _key_decays(g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K, G_MODE,
+                        USE_GK, GAMMA_MODE)
+        b_do = load_tile(do, row0, pos, i_h, o_v, mask_t, mask_v, H, V).to(op)
+        b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V).to(op)
+        b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K)
+        acc = tl.dot(b_do, tl.trans(b_s.to(op)), input_precision=DOT_PREC)
+        if KGATE:
+            acc *= _factor(a, o_t, 2 * BT, DT)
+        d_a = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
+        if KGATE:
+            for lvl in range(0, LEVELS):  # one level's tiles live at a time
+                hl = (BT // 2) >> lvl
+                f = _factor(a, o_t, hl, DT)
+                w = tl.where(level_mask(o_t, hl), d_a, 0.).to(op)
+                acc += f * _dot2(w, b_k.to(tl.float32) * f, op, DOT_PREC)
+        else:
+            acc += _dot2(tl.where(o_t[:, None] > o_t[None, :], d_a, 0.).to(op),
+                         b_k.to(tl.float32), op, DOT_PREC)
+        tl.store(tile_ptrs(dq, row0, pos, i_h, o_k, H, K), acc * scale,
+                 mask=mask_t[:, None] & mask_k[None, :])
+        if FINAL_A:  # S~_T: the last token's k v stays out of the last update
+            b_k = tl.where((c * BT + o_t == n - 1)[:, None], 0., b_k)
+        if KGATE:  # gated to the chunk's end
+            b_k = (b_k.to(tl.float32) * _factor(a, o_t, BT, DT)).to(op)
+            b_s *= exp_(tl.sum(a.to(tl.float32), 0))[:, None]
+        b_s = tl.dot(tl.trans(b_k.to(op)), b_v, b_s, input_precision=DOT_PREC)
+    if FINAL_A:
+        b_dht = tl.load(dht + base + p_kv, mask=mask_k[:, None] & mask_v[None, :], other=0.)
+        tl.store(dfa + i_nh * K + o_k, tl.where(n > 0, tl.sum(b_dht * b_s, 1), 0.),
+                 mask=mask_k)
+
+
+@triton.jit
+def _level_mask_t(o_t, h):
+    """level_mask transposed: [s, t] for the pairs t > s of level h."""
+    x = o_t[:, None] ^ o_t[None, :]
+    return (x >= h) & (x < 2 * h) & ((o_t & h) != 0)[None, :]
+
+
+@triton.jit
+def fused_chunk_bwd_dkv_kernel(
+    q, k, v, g, gk, g_gamma, cu_seqlens, do, dht,
+    scale, T,
+    dk, dv, dh0,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
+    G_MODE: tl.constexpr, USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr,
+    USE_H0: tl.constexpr, USE_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    REVERSE: tl.constexpr, LEVELS: tl.constexpr, DOT_PREC: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr,
+):
+    """One (sequence x head, K block, V block), chunks last to first, dS [BK, BV] fp32 in
+    registers. DK (all of V, NV = 1): dk' [B,T,H,K] fp32. DV (all of K, NK = 1): dv per
+    query head [B,T,H,V] with the step's own term, and (USE_H0) dh0 [N,H,K,V] fp32."""
+    scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
+    i_nh, i_h, i_hk, bos, eos, gamma, base, o_k, o_v, mask_k, mask_v, p_kv = _program(
+        cu_seqlens, g_gamma, T, H, HK, K, V, BK, BV, NK, NV, IS_VARLEN, GAMMA_MODE)
+    KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
+    DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE, USE_GK,
+                                   GAMMA_MODE)
+    op: tl.constexpr = op_dtype(q.dtype.element_ty)
+    o_t = tl.arange(0, BT)
+    b_dh = _state_in(dht, base, p_kv, mask_k, mask_v, USE_DHT)
+    nc = tl.cdiv(eos - bos, BT)
+    for i in range(0, nc):
+        row0, pos, mask_t = block_pos(bos, eos, (nc - 1 - i) * BT, BT, REVERSE)
+        a = _key_decays(g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K, G_MODE,
+                        USE_GK, GAMMA_MODE)
+        b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
+        b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K)
+        b_do = load_tile(do, row0, pos, i_h, o_v, mask_t, mask_v, H, V).to(op)
+        b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V).to(op)
+        # through the chunk end's state gradient
+        dh_op = b_dh.to(op)
+        if DK:
+            acc_k = tl.dot(b_v, tl.trans(dh_op), input_precision=DOT_PREC)
+            if KGATE:
+                acc_k *= _factor(a, o_t, BT, DT)
+            d_at = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)  # dA^T [s, t]
+        if DV:
+            if KGATE:
+                acc_v = tl.dot((b_k.to(tl.float32) * _factor(a, o_t, BT, DT)).to(op), dh_op,
+                               input_precision=DOT_PREC)
+            else:
+                acc_v = tl.dot(b_k.to(op), dh_op, input_precision=DOT_PREC)
+            # the step's own term: A's diagonal, ungated
+            diag = tl.sum(b_q.to(tl.float32) * b_k.to(tl.float32), 1) * scale
+            acc_v += diag[:, None] * b_do.to(tl.float32)
+        if KGATE:
+            for lvl in range(0, LEVELS):  # one level's tiles live at a time
+                hl = (BT // 2) >> lvl
+                f = _factor(a, o_t, hl, DT)
+                m_t = _level_mask_t(o_t, hl)
+                if DK:
+                    w = tl.where(m_t, d_at, 0.).to(op)
+                    acc_k += f * _dot2(w, b_q.to(tl.float32) * f, op, DOT_PREC) * scale
+                if DV:
+                    # A^T [s, t] of the level: (x F)(x F)^T is symmetric, x = q on the rows
+                    # of t's segments, k on s's
+                    p = (tl.where(((o_t & hl) != 0)[:, None], b_q, b_k).to(tl.float32)
+                         * f).to(op)
+                    a_t = tl.dot(p, tl.trans(p), input_precision=DOT_PREC)
+                    acc_v += tl.dot(tl.where(m_t, a_t * scale, 0.).to(op), b_do,
+                                    input_precision=DOT_PREC)
+        else:
+            later = o_t[:, None] < o_t[None, :]
+            if DK:
+                acc_k += _dot2(tl.where(later, d_at, 0.).to(op), b_q.to(tl.float32), op,
+                               DOT_PREC) * scale
+            if DV:
+                a_t = tl.dot(b_k.to(op), tl.trans(b_q.to(op)), input_precision=DOT_PREC)
+                acc_v += tl.dot(tl.where(later, a_t * scale, 0.).to(op), b_do,
+                                input_precision=DOT_PREC)
+        if DK:
+            tl.store(tile_ptrs(dk, row0, pos, i_h, o_k, H, K), acc_k,
+                     mask=mask_t[:, None] & mask_k[None, :])
+        if DV:
+            tl.store(tile_ptrs(dv, row0, pos, i_h, o_v, H, V), acc_v.to(dv.dtype.element_ty),
+                     mask=mask_t[:, None] & mask_v[None, :])
+        b_qs = b_q.to(tl.float32) * scale
+        if KGATE:  # gated from the chunk's start
+            b_qs *= _factor(a, o_t, 2 * BT, DT)
+            b_dh *= exp_(tl.sum(a.to(tl.float32), 0))[:, None]
+        b_dh = tl.dot(tl.trans(b_qs.to(op)), b_do, b_dh, input_precision=DOT_PREC)
+    if DV and USE_H0:
+        tl.store(dh0 + base + p_kv, b_dh, mask=mask_k[:, None] & mask_v[None, :])
+
+
+@triton.jit
+def fused_chunk_bwd_combine_kernel(
+    q, k, v, do, cu_seqlens, dq_prime, dk_prime, dfa,
+    scale, T,
+    dq, dk, da, dg_head,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    G_MODE: tl.constexpr, USE_GK: tl.constexpr, USE_H0: tl.constexpr, USE_DHT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr,
+):
+    """One (sequence x head), chunks last to first: dq [B,T,H,K] and dk per query head
+    [B,T,H,K] with the step's own terms; da [B,T,H,K] (g [B,T,H,K] / gk) or its sum over K
+    dg_head [B,T,H] (g [B,T,H]): the reverse cumulative sums of q dq' - k dk' (the
+    sequence's last k dk' left out: dfa holds it) from dfa [N,H,K]; inside a chunk one
+    table product (common.seg_sums, exact), across chunks a carried [K] sum. Without USE_H0
+    the first step's gate gradient is exactly 0 (its gates decay a zero state)."""
+    scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
+    i_nh = tl.program_id(0)
+    i_n, i_h = i_nh // H, i_nh % H
+    i_hk = i_h // (H // HK)
+    KGATE: tl.constexpr = (G_MODE > 0) or USE_GK
+    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    n = eos - bos
+    nc = tl.cdiv(n, BT)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    mask_k, mask_v = o_k < K, o_v < V
+    carry = tl.zeros([BK], dtype=tl.float32)
+    if USE_DHT and KGATE:
+        carry += tl.load(dfa + i_nh * K + o_k, mask=mask_k, other=0.)
+    for i in range(0, nc):
+        p = (nc - 1 - i) * BT + o_t  # processing positions of the chunk
+        row0, pos, mask_t = block_pos(bos, eos, (nc - 1 - i) * BT, BT, REVERSE)
+        m_tk = mask_t[:, None] & mask_k[None, :]
+        b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K).to(tl.float32)
+        b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K).to(tl.float32)
+        vdo = tl.sum(load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V).to(tl.float32)
+                     * load_tile(do, row0, pos, i_h, o_v, mask_t, mask_v, H, V).to(tl.float32),
+                     1) * scale
+        b_dq = load_tile(dq_prime, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
+        b_dk = load_tile(dk_prime, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
+        tl.store(tile_ptrs(dq, row0, pos, i_h, o_k, H, K),
+                 (b_dq + vdo[:, None] * b_k).to(dq.dtype.element_ty), mask=m_tk)
+        tl.store(tile_ptrs(dk, row0, pos, i_h, o_k, H, K),
+                 (b_dk + vdo[:, None] * b_q).to(dk.dtype.element_ty), mask=m_tk)
+        if KGATE:
+            x = b_q * b_dq - tl.where((p == n - 1)[:, None], 0., b_k * b_dk)
+            b_g = carry[None, :] + x + seg_sums(seg_matrix(o_t, BT, tl.float32), x,
+                                                tl.float32)
+            carry += tl.sum(x, 0)
+            if not USE_H0:
+                b_g = tl.where((p == 0)[:, None], 0., b_g)
+            if (G_MODE == 2) or USE_GK:
+                tl.store(tile_ptrs(da, row0, pos, i_h, o_k, H, K),
+                         b_g.to(da.dtype.element_ty), mask=m_tk)
+            if G_MODE == 1:
+                tl.store(dg_head + (row0 + pos) * H + i_h,
+                         tl.sum(tl.where(m_tk, b_g, 0.), 1), mask=mask_t)
+
+
+# ---------------------------------------------------------------- launch plan
+
+BT = 16  # chunk length (the forward takes 32)
+LEVELS = BT.bit_length() - 1
+
+
+def supported(plan) -> bool:
+    """Whether these kernels take the plan: not opted out (GLA_BRIDGE_FUSED_CHUNK_BWD=chunk
+    keeps the chunk family's list), no value gate gv and no constant decay g_gamma (their
+    gradients are not written here), and shapes whose builds have no register spills on
+    sm_80 and sm_90 (`config`): K, V <= 128 in 16 bits (<= 64 with both g and gk, whose
+    decays the dv walk splits into 3 pieces), <= 64 in fp32 (FMA products)."""
+    if os.environ.get("GLA_BRIDGE_FUSED_CHUNK_BWD", "onchip") == "chunk":
+        return False
+    if plan.gv or plan.g_gamma != "none":
+        return False
+    wide = plan.dtype in ("bfloat16", "float16") and not (plan.g != "none" and plan.gk)
+    return max(plan.K, plan.V) <= (128 if wide else 64)
+
+
+def config(plan) -> dict:
+    """BK, BV: K and V padded to powers of 2; SK: the K blocks of the dq and dk walks (all
+    of V), 64 for 16-bit inputs; SV: the V blocks of the dv walk (all of K), 32 (its A
+    levels beside the state); 16 for fp32 (FMA products); 8 warps."""
+    BK, BV = max(16, next_pow2(plan.K)), max(16, next_pow2(plan.V))
+    wide = plan.dtype in ("bfloat16", "float16")
+    return dict(BK=BK, BV=BV, SK=min(64 if wide else 16, BK), SV=min(32 if wide else 16, BV),
+                num_warps=8)
+
+
+def launches(plan, use_dht: bool) -> list:
+    """Reads the forward inputs, do [B,T,H,V] and (use_dht) dfinal_state [N,H,K,V]; writes
+    dq', dk' [B,T,H,K] and dfa [N,H,K] (fp32) on the way and the buffers bridge.grads reads
+    (module docstring). `supported(plan)` must hold."""
+    c = config(plan)
+    B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
+    nk, nv = -(-K // c["SK"]), -(-V // c["SV"])
+    fl = flags(plan)
+    consts = dict(H=fl["H"], HK=fl["HK"], K=K, V=V, BT=BT, G_MODE=fl["G_MODE"],
+                  USE_GK=fl["USE_GK"], GAMMA_MODE=fl["GAMMA_MODE"], USE_H0=plan.initial_state,
+                  USE_DHT=use_dht, IS_VARLEN=plan.varlen, REVERSE=plan.reverse, LEVELS=LEVELS,
+                  DOT_PREC=chunk.dot_precision())
+    gates = present(plan, "g", "gk", "g_gamma")
+    cu = varlen_input(plan)
+    dht = "dfinal_state" if use_dht else None
+    final_a = use_dht and (plan.g != "none" or plan.gk)
+    own = plan.group == 1
+    isz = ITEMSIZE[plan.dtype]
+    tokens = B * T
+    chunks = T // BT + N if plan.varlen else B * -(-T // BT)
+    levels = LEVELS if plan.g != "none" or plan.gk else 1
+    # dot products per chunk and head (x 2 BT for FLOPs): the state products (2 [BT,K]x[K,V]
+    # and the update), dA and its level products (2 pieces each) ...
+    state, d_a, lv = K * V, BT * V, levels * 2 * BT * K
+    fl_dq = 2 * BT * chunks * H * (2 * state + d_a + lv)
+    fl_dk = 2 * BT * chunks * H * (2 * state + d_a + lv)
+    fl_dv = 2 * BT * chunks * H * (2 * state + levels * BT * (K + V))
+    f32 = tokens * H * K * 4
+    qkvdo = tokens * (H * K + plan.Hk * (K + V) + H * V) * isz
+    return [
+        Launch(fused_chunk_bwd_dq_kernel, grid=(nk * N * H,),
+               inputs=dict(q="q", k="k", v="v", **gates,
+                           h0="initial_state" if plan.initial_state else None, **cu, do="do",
+                           dht=dht),
+               scalars=dict(scale=plan.scale, T=T),
+               outputs=dict(dq=Out("dq_prime", (B, T, H, K)),
+                            dfa=Out("dfa", (N, H, K)) if final_a else None),
+               constexprs=dict(consts, BK=c["SK"], BV=c["BV"], NK=nk),
+               num_warps=c["num_warps"], dot_flops=int(fl_dq), bytes=int(qkvdo + f32)),
+        Launch(fused_chunk_bwd_dkv_kernel, grid=(nk * N * H,),
+               inputs=dict(q="q", k="k", v="v", **gates, **cu, do="do", dht=dht),
+               scalars=dict(scale=plan.scale, T=T),
+               outputs=dict(dk=Out("dk_prime", (B, T, H, K)), dv=None, dh0=None),
+               constexprs=dict(consts, BK=c["SK"], BV=c["BV"], NK=nk, NV=1, DK=True, DV=False),
+               num_warps=c["num_warps"], dot_flops=int(fl_dk),
+               bytes=int(qkvdo + tokens * H * K * isz + f32)),
+        Launch(fused_chunk_bwd_dkv_kernel, grid=(nv * N * H,),
+               inputs=dict(q="q", k="k", v="v", **gates, **cu, do="do", dht=dht),
+               scalars=dict(scale=plan.scale, T=T),
+               outputs=dict(dk=None,
+                            dv=Out("dv_h", (B, T, H, V), "like:v" if own else "float32"),
+                            dh0=Out("d_initial_state", (N, H, K, V))
+                            if plan.initial_state else None),
+               constexprs=dict(consts, BK=c["BK"], BV=c["SV"], NK=1, NV=nv, DK=False, DV=True),
+               num_warps=c["num_warps"], dot_flops=int(fl_dv),
+               bytes=int(qkvdo + tokens * H * K * isz + tokens * H * V * (isz if own else 4))),
+        Launch(fused_chunk_bwd_combine_kernel, grid=(N * H,),
+               inputs=dict(q="q", k="k", v="v", do="do", **cu, dq_prime="dq_prime",
+                           dk_prime="dk_prime", dfa="dfa" if final_a else None),
+               scalars=dict(scale=plan.scale, T=T),
+               outputs=dict(dq=Out("dq", (B, T, H, K), "like:q"),
+                            dk=Out("dk_h", (B, T, H, K), "like:k" if own else "float32"),
+                            da=Out("da", (B, T, H, K), "like:g" if plan.g == "key" else "like:gk")
+                            if plan.g == "key" or plan.gk else None,
+                            dg_head=Out("dg_head", (B, T, H)) if plan.g == "head" else None),
+               constexprs=dict(H=fl["H"], HK=fl["HK"], K=K, V=V, BT=BT, BK=c["BK"], BV=c["BV"],
+                               G_MODE=fl["G_MODE"], USE_GK=fl["USE_GK"],
+                               USE_H0=plan.initial_state, USE_DHT=use_dht,
+                               IS_VARLEN=plan.varlen, REVERSE=plan.reverse),
+               num_warps=4, bytes=int(qkvdo + 2 * f32 + 3 * tokens * H * K * isz)),
+    ]
