@@ -27,7 +27,7 @@ decays' own values, as 1 or 3 16-bit tensor-core products), the same dot operand
 Backward: the chunk family's launch list (chunk.backward_launches, 64-token chunks),
 which recomputes the states and A from the inputs. Nothing is kept from the forward
 (autograd holds the inputs; the chunk family keeps its A as well, 67 MB
-at (8,4096,16,128,128) bf16). The backward's buffers there (`bridge.aot --report`'s
+at (8,4096,16,128,128) bf16). The backward's buffers there (`parity.compiled --report`'s
 workspace): 1.015 GB, the chunk family's 0.948 GB plus the A it recomputes, so the peak
 equals the chunk family's; its largest are the recomputed states h and dh, 512 slots x
 16 x 128 x 128 in bf16, 268 MB each. An on-chip reverse walk (dh in registers) is not
@@ -258,7 +258,7 @@ def fused_chunk_fwd_kernel(
 def config(plan) -> dict:
     """Tiles: all of K in one block (the state is one register tile), V blocks of BV:
     64 columns (an fp32 state [128, 64] is 32 registers a thread at 8 warps) where that
-    builds without spills on sm_80 and sm_90 (`python -m bridge.aot --family
+    builds without spills on sm_80 and sm_90 (`python -m parity.compiled --family
     fused_chunk`), else 32: with gv (its level products beside the state), with key
     decays the same for every key (g [B,T,H] or g_gamma alone: their broadcasts),
     for fp32 (FMA products) and at K > 128. The intra-chunk products take K in blocks
