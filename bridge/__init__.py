@@ -1,6 +1,7 @@
 """The framework-neutral core of gla-bridge: the contract, the dispatch, the launch plans
 and the Triton kernels that `torch_side` and `jax_side` both call (the contract itself is
-bridge/SPEC.md). Arrows point into this package, never out of it.
+bridge/SPEC.md): what a call runs, nothing else (the analysis of the compiled kernels is
+`parity.compiled`). Arrows point into this package, never out of it.
 
 Framework-neutral: importing these needs neither torch nor JAX (NumPy, and Triton for the
 kernels). Those marked * import a framework inside one function, only when handed its
@@ -25,10 +26,6 @@ objects or asked for its kernels.
 - `model_config.py`, `checkpoint.py`: the language model's configuration (a transformers
   `PreTrainedConfig`, shared by both frameworks; transformers itself imports torch where
   torch is installed) and its checkpoints (safetensors, NumPy).
-- `aot.py`*, `sass.py`, `tripcounts.py`: ahead-of-time GPU builds and the GPU-readiness
-  report (torch only for its version line); `aot_fla.py`*: fla's kernels compiled the
-  same way (fla's kernels are launched from torch to capture them); `timemodel.py`: the
-  report's time per launch (HBM, tensor, MUFU, issue and dependent-chain terms).
 
 Framework-bound: importing these imports a framework.
 

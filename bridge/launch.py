@@ -58,7 +58,7 @@ class Launch:
     constexprs: dict = field(default_factory=dict)
     num_warps: int = 4
     num_stages: int = 1
-    # The launch's cost at the plan's shape, for `bridge.aot --report`: FLOPs of
+    # The launch's cost at the plan's shape, for `parity.compiled --report`: FLOPs of
     # its tl.dot products and the HBM bytes it must move (0 where not modelled).
     dot_flops: int = 0
     bytes: int = 0

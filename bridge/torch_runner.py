@@ -5,7 +5,7 @@ DLPack), both execute the kernels here: on CUDA tensors compiled, on CPU
 tensors in Triton's interpreter.
 
 Configs: each Launch carries the warps and stages its plan chose (checked
-ahead of time by `bridge.aot --report`). GLA_BRIDGE_AUTOTUNE=1 makes the torch
+ahead of time by `parity.compiled --report`). GLA_BRIDGE_AUTOTUNE=1 makes the torch
 launch on CUDA autotune warps and stages per kernel variant instead
 (`triton.autotune`, keyed on the variant's constexprs and dtypes; tiles stay the
 plan's, since the grid depends on them). It is off by default: on an H100 it

@@ -3,7 +3,7 @@
     python -m parity.triton_matrix [--tritons 3.6.0,3.7.1] [--arch 80,90] [--envs DIR]
         [--no-tests]
 
-For each Triton of `SUPPORTED`: `bridge.aot` builds every variant of every kernel family
+For each Triton of `SUPPORTED`: `parity.compiled` builds every variant of every kernel family
 to cubin for each arch (one process per arch, side by side), and the rows are checked as
 the kernels' contract asks (`problems`); then `TESTS` run: one interpreter case per gate
 kind of each family, and the GPU kit's sweep candidates built. The Triton this Python has
@@ -38,7 +38,8 @@ ARCHS = (80, 90)
 # built with a real launch's alignment hints; an arch not listed is reported, not held.
 # The fused kernels: none on sm_90; 8 B on sm_80 (the gv backward with hints). The chunked
 # ones: 256 B on sm_90 (the fp32 FMA products and the every-flag K = V = 64 variants; the
-# bf16/fp16 configurations none: tests/test_aot.py); on sm_80 the every-gate 16-bit dq/dk
+# bf16/fp16 configurations none: tests/test_compiled_report.py); on sm_80 the every-gate
+# 16-bit dq/dk
 # spills (the readiness report's sm_80 rows), not held. fused_chunk, not held yet: it
 # keeps all of K in its [32, K] operand tiles beside the state, so its fp32 variants at
 # K > 64 spill (an FMA product keeps a whole K row per thread), as do its 16-bit ones on
@@ -75,7 +76,7 @@ def kernel_names() -> set:
 
 
 def problems(rows: list, triton: str, archs=ARCHS, kernels=None) -> list:
-    """What is wrong with `bridge.aot --json` rows: one line per failing variant, naming
+    """What is wrong with `parity.compiled --json` rows: one line per failing variant, naming
     the Triton, arch, kernel and variant, and one per kernel of `kernels` (default: all
     of bridge/kernels) that no row of an arch built."""
     out, kernels = [], kernel_names() if kernels is None else kernels
@@ -119,14 +120,14 @@ def python_for(version: str, envs: Path, log) -> str:
 
 
 def build(py: str, archs, cache: str, out_dir: Path) -> tuple[list, list]:
-    """bridge.aot's variant build of every family under `py`, one process per arch at
+    """parity.compiled's variant build of every family under `py`, one process per arch at
     once: (rows, [(arch, return code, output tail)] of the processes that failed to run)."""
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=cache,
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = {}
     for arch in archs:
         out = out_dir / f"sm_{arch}.json"
-        cmd = [py, "-m", "bridge.aot", "--arch", str(arch), "--family", "all", "--hints",
+        cmd = [py, "-m", "parity.compiled", "--arch", str(arch), "--family", "all", "--hints",
                "--json", str(out)]
         procs[arch] = (out, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                              stderr=subprocess.STDOUT, text=True))
@@ -165,7 +166,8 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             rows, broken = build(py, archs, os.path.join(tmp, "cache"), Path(tmp))
         bad = problems(rows, version, archs) + [
-            f"triton {version} sm_{arch}: bridge.aot ended with {rc} and wrote no rows:\n{tail}"
+            f"triton {version} sm_{arch}: parity.compiled ended with {rc} and wrote no "
+            f"rows:\n{tail}"
             for arch, rc, tail in broken]
         log(f"triton {version}: {len(rows)} variants built for sm_{'/sm_'.join(map(str, archs))}"
             f", {len(bad)} problems ({time.time() - t0:.0f} s)")

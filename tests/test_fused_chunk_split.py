@@ -14,7 +14,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import bridge.kernels  # noqa: E402,F401  (decides the interpreter before triton is imported)
-from bridge import aot, contract, grads, torch_runner, tuning  # noqa: E402
+from bridge import contract, grads, torch_runner, tuning  # noqa: E402
+from parity.compiled import report  # noqa: E402
 from bridge.contract import PER_TOKEN  # noqa: E402
 from bridge.kernels import family, fused_chunk  # noqa: E402
 from parity import backends, cases  # noqa: E402
@@ -140,7 +141,7 @@ def test_gradients_after_a_split_forward():
 
 
 def _grid(shape, gates="key", sms=None, knobs=None, device="9.0 Fake GPU"):
-    plan = aot.report_plan(shape, "bf16", gates)
+    plan = report.report_plan(shape, "bf16", gates)
     with tuning.on_device(device, sms), tuning.overriding({SITE: knobs or {}}):
         return [(ln.kernel.__name__, ln.grid[0]) for ln in fused_chunk.forward_launches(plan)]
 
@@ -173,7 +174,7 @@ def test_rule_fills_the_device():
 def test_sweep_tries_split_factors():
     """The GPU kit's sweep candidates for fused_chunk: the rule's defaults first, then the
     other waves (bridge.tuning.candidates over fused_chunk.SITES)."""
-    plan = aot.report_plan((8, 4096, 16, 128, 128), "bf16", "key")
+    plan = report.report_plan((8, 4096, 16, 128, 128), "bf16", "key")
     cands = [k for f, s, k in tuning.candidates(plan, "fused_chunk") if (f, s) == SITE]
     assert [k["waves"] for k in cands] == [1, 0, 2, 4]
     assert all(k["segments"] == 0 for k in cands)

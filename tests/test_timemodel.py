@@ -1,12 +1,12 @@
-"""bridge.timemodel: each term against a closed form worked by hand, the waves, the
+"""parity.compiled.timemodel: each term against a closed form worked by hand, the waves, the
 binding term, and the dependent chain of hand-written SASS."""
 
 import math
 
 import pytest
 
-from bridge import sass, timemodel
-from bridge.timemodel import HARDWARE, LATENCY, LAUNCH_S, chain_cycles, mma_flops, operands
+from parity.compiled import sass, timemodel
+from parity.compiled.timemodel import HARDWARE, LATENCY, LAUNCH_S, chain_cycles, mma_flops, operands
 
 H200, H100 = HARDWARE["H200"], HARDWARE["H100"]
 CLOCK = 1.83e9          # 989.4e12 / (132 SMs x 4096 FLOP a clock)
@@ -145,9 +145,10 @@ def test_a_program_chain_is_its_straight_code_and_loop_bodies_times_their_runs()
 
 
 # The model's inputs at (B,T,H,K,V) = (8,4096,16,128,128) bf16, GLA key gate, sm_90, from
-# `bridge.aot --report --arch 90` and `bridge.aot_fla` (fla: the config the model picks on an
-# H200); recorded because building them takes minutes. A row: phase, kernel, programs, CTAs/SM,
-# bytes, tensor FLOPs, warp-instructions, ex2 warp-instructions, chain cycles per program.
+# `parity.compiled --report --arch 90` and `parity.compiled --fla` (fla: the config the model
+# picks on an H200); recorded because building them takes minutes. A row: phase, kernel,
+# programs, CTAs/SM, bytes, tensor FLOPs, warp-instructions, ex2 warp-instructions, chain
+# cycles per program.
 CHUNK = [
     ("fwd", "chunk_gate_kernel", 16384, 4, 406847488, 8589934592, 54460416, 2621440, 2565),
     ("fwd", "chunk_state_kernel", 512, 5, 553648128, 17179869184, 26368000, 0, 99114),

@@ -18,7 +18,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import bridge.kernels  # noqa: E402,F401  (decides the interpreter before triton is imported)
-from bridge import aot, contract, grads, torch_runner, tuning  # noqa: E402
+from bridge import contract, grads, torch_runner, tuning  # noqa: E402
+from parity.compiled import report  # noqa: E402
 from bridge.kernels import family  # noqa: E402
 from parity import backends, cases  # noqa: E402
 from parity.compare import assert_close, errors  # noqa: E402
@@ -32,7 +33,7 @@ FAKE = "9.0 Fake GPU"
 def fake_table(monkeypatch):
     """The shipped table replaced by one naming FAKE with two chunk entries and one
     fused entry for (bf16, K=V=128, key gate)."""
-    plan = aot.report_plan(REF, "bf16", "key")
+    plan = report.report_plan(REF, "bf16", "key")
     entries = {tuning.entry_key(plan, "chunk", "chunk_dqk_kernel"):
                dict(num_warps=8, num_stages=3, BK=64),
                tuning.entry_key(plan, "chunk", "chunk_state_kernel"): dict(num_stages=3),
@@ -65,7 +66,7 @@ def test_launch_lists_read_the_table_on_its_device(fake_table):
     assert {launch.constexprs["BV"] for launch in fused_tuned[:2]} == {64}
     assert fused_tuned[0].grid[0] == 2 * plan.N * plan.H  # NV = 128 / 64
     # another device, another dtype, the CPU: the defaults
-    for device, p in (("8.0 Other GPU", plan), (FAKE, aot.report_plan(REF, "fp16", "key")),
+    for device, p in (("8.0 Other GPU", plan), (FAKE, report.report_plan(REF, "fp16", "key")),
                       (None, plan)):
         with tuning.on_device(device):
             other = _by_kernel(chunk.backward_launches(p, True))
@@ -96,7 +97,7 @@ def test_merged_table_file_reads_back(tmp_path):
 
 
 def test_candidates_cover_each_site_with_defaults_first():
-    plan = aot.report_plan(REF, "bf16", "key")
+    plan = report.report_plan(REF, "bf16", "key")
     for mode in ("chunk", "fused_recurrent"):
         sites = tuning.sites(plan, mode)
         cands = tuning.candidates(plan, mode)
@@ -112,7 +113,7 @@ def test_candidates_cover_each_site_with_defaults_first():
 
 SMALL = {"chunk": cases.Case("tiles", B=1, T=80, H=1, Hk=1, K=128, V=128, g="key"),
          "fused_recurrent": cases.Case("tiles", B=1, T=6, H=1, Hk=1, K=128, V=128, g="key")}
-GATES = {"key": {}, "all": dict(gk=True, gv=True, g_gamma="head")}  # as bridge.aot.GATES
+GATES = {"key": {}, "all": dict(gk=True, gv=True, g_gamma="head")}  # parity.compiled's GATES
 
 
 def _tilings(plan, mode):
@@ -162,9 +163,10 @@ def test_every_candidate_tiling_matches_the_oracle(mode, gates):
 
 BUILD = """
 import json, sys
-from bridge import aot, tuning
+from bridge import tuning
+from parity.compiled import build, report
 from bridge.kernels import family
-plan = aot.report_plan((8, 4096, 16, 128, 128), "bf16", "key")
+plan = report.report_plan((8, 4096, 16, 128, 128), "bf16", "key")
 done = []
 for mode in ("chunk", "fused_recurrent"):
     fam = family(mode)
@@ -177,13 +179,13 @@ for mode in ("chunk", "fused_recurrent"):
             knobs = {k: pick(x[k] for x in ks) for k in ks[0]}
             with tuning.overriding({(mode, site): knobs}):
                 ls = fam.forward_launches(plan) + fam.backward_launches(plan, True, fam.kept(plan))
-            dtypes = aot.tensor_dtypes(plan, [ls])
+            dtypes = build.tensor_dtypes(plan, [ls])
             default = fam.forward_launches(plan) + fam.backward_launches(plan, True,
                                                                          fam.kept(plan))
             # the first launch the knobs change
             launch = next(x for x, d in zip(ls, default) if x != d)
             for arch in (80, 90):
-                aot.compile_launch(launch, plan, arch, dtypes=dtypes)
+                build.compile_launch(launch, plan, arch, dtypes=dtypes)
                 done.append((mode, site, launch.kernel.__name__, arch))
 print(json.dumps(sorted(set(done))))
 """
@@ -196,6 +198,6 @@ def test_candidates_build_ahead_of_time_for_sm80_and_sm90(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     done = json.loads(res.stdout.strip().splitlines()[-1])
     sites = {(m, s) for m in ("chunk", "fused_recurrent")
-             for (_, s) in tuning.sites(aot.report_plan(REF, "bf16", "key"), m)}
+             for (_, s) in tuning.sites(report.report_plan(REF, "bf16", "key"), m)}
     assert {(m, s) for m, s, _, _ in done} == sites
     assert {a for *_, a in done} == {80, 90}

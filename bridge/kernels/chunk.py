@@ -22,7 +22,7 @@ Buffers the backward reads from these launches:
 Config (the same for the interpreter, torch and JAX launches, so that every
 path runs one variant): chunks of BT = 64 tokens, K and V blocks of up to 64
 (the output kernel takes V up to 128 at once), warps and stages per kernel from
-`warps` and `stages` (chosen with the SASS of `python -m bridge.aot --report`).
+`warps` and `stages` (chosen with the SASS of `python -m parity.compiled --report`).
 These are the defaults; on a device that bridge/tuning.json names, its measured
 entry for a launch site (`SITES`) replaces them. Every grid is one axis (x < 2^31
 programs).
@@ -46,7 +46,7 @@ BC = 16  # sub-chunk length: no exponent differences two sums over more steps
 
 
 def warps(name: str, plan) -> int:
-    """Warps of each kernel, chosen with the SASS of `bridge.aot --report` (and
+    """Warps of each kernel, chosen with the SASS of `parity.compiled --report` (and
     per-variant builds): the fewest with which it builds without register spills
     for sm_80 and sm_90 at K = V = 64 and 128, and 4 wherever a product is a
     64-row wgmma (more warps there duplicated the elementwise work feeding it).

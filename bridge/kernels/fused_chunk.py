@@ -29,7 +29,7 @@ they apply (fused_chunk_bwd.supported: no gv, no g_gamma, K, V <= 128 in 16 bits
 the chunk family's launch list (chunk.backward_launches, 64-token chunks, which
 recomputes the states h and dh and A into HBM); GLA_BRIDGE_FUSED_CHUNK_BWD=chunk takes
 the chunk list always. Nothing is kept from the forward (autograd holds the inputs).
-The buffers beyond the returned gradients at (8,4096,16,128,128) bf16 (`bridge.aot
+The buffers beyond the returned gradients at (8,4096,16,128,128) bf16 (`parity.compiled
 --report`'s workspace): 0.537 GB on chip (dq' and dk' in fp32; 1.07 GB with the
 gradients, against the chunk family's 1.6 GB with its kept A and fla's 3.1 GB); 1.015 GB
 through the chunk list (h and dh 268 MB each in bf16).
@@ -260,7 +260,7 @@ def fused_chunk_fwd_kernel(
 def config(plan) -> dict:
     """Tiles: all of K in one block (the state is one register tile), V blocks of BV:
     64 columns (an fp32 state [128, 64] is 32 registers a thread at 8 warps) where that
-    builds without spills on sm_80 and sm_90 (`python -m bridge.aot --family
+    builds without spills on sm_80 and sm_90 (`python -m parity.compiled --family
     fused_chunk`), else 32: with gv (its level products beside the state), with key
     decays the same for every key (g [B,T,H] or g_gamma alone: their broadcasts),
     for fp32 (FMA products) and at K > 128. The intra-chunk products take K in blocks

@@ -1,5 +1,5 @@
 """BENCHMARKS.md's "GPU readiness" and "TPU readiness (compiled, not run)" sections:
-the AOT report (`python -m bridge.aot --report`) of both Triton kernel families at
+the AOT report (`python -m parity.compiled --report`) of both Triton kernel families at
 the reference shape, bf16, with the lower bounds it derives, next to
 flash-linear-attention's published timings; the SASS instruction model of the
 chunk kernels against fla's own (`--compare-fla`, when fla-core is installed)
@@ -47,14 +47,15 @@ def gpu_run(log=print) -> list:
     env = dict(os.environ, TRITON_INTERPRET="0")
     out = []
     for mode, gates in RUNS:
-        cmd = [sys.executable, "-m", "bridge.aot", "--report", "--shape", ",".join(map(str, SHAPE)),
+        cmd = [sys.executable, "-m", "parity.compiled", "--report",
+               "--shape", ",".join(map(str, SHAPE)),
                "--dtype", "bf16", "--mode", mode, "--gates", gates, "--arch", "80,90", "--json"]
         if (mode, gates) == COMPARED:
             cmd.append("--compare-fla")
         log(f"readiness: {' '.join(cmd[1:])}")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if not proc.stdout.startswith("{"):
-            raise SystemExit(f"bridge.aot --report failed: {proc.stderr[-2000:]}")
+            raise SystemExit(f"parity.compiled --report failed: {proc.stderr[-2000:]}")
         out.append(json.loads(proc.stdout))
     return out
 
@@ -112,7 +113,7 @@ def section(readiness) -> str:
     reports = _reports(readiness, "gpu")
     if not reports:
         return NOT_MADE
-    from bridge import aot
+    from parity.compiled import report
 
     B, T, H, K, V = SHAPE
     lines = [f"Compiled ahead of time for sm_80 and sm_90 (no GPU has run these kernels); "
@@ -142,24 +143,24 @@ def section(readiness) -> str:
               "5.984 ms there. Our figures above are lower bounds, not timings.", ""]
     lines += instruction_model(reports)
     for rep in reports:
-        lines += [f"### {rep['mode']}, gates={rep['gates']}", "", aot.markdown(rep, "sm_90"), ""]
+        lines += [f"### {rep['mode']}, gates={rep['gates']}", "", report.markdown(rep, "sm_90"), ""]
     return "\n".join(lines)
 
 
 def _side(recs, target="sm_90") -> dict:
     """Per phase: dynamic warp-instructions, worst loop body's bar.sync, fewest
     CTAs per SM among the parallel kernels, spilling launches."""
-    from bridge import aot
+    from parity.compiled import report
 
     out = {}
     for phase in ("fwd", "bwd"):
         rs = [r for r in recs if r["phase"] == phase and r.get("target") == target and "loops" in r]
-        par = [r for r in rs if not aot.sequential(r["kernel"])]
-        worst = max(rs, key=aot.max_loop_bars, default=None)
+        par = [r for r in rs if not report.sequential(r["kernel"])]
+        worst = max(rs, key=report.max_loop_bars, default=None)
         few = min(par, key=lambda r: r["ctas_per_sm"], default=None)
         out[phase] = dict(
             dynamic=sum(r["dynamic"] for r in rs),
-            bars=f"{aot.max_loop_bars(worst)} ({worst['kernel']})" if worst else "-",
+            bars=f"{report.max_loop_bars(worst)} ({worst['kernel']})" if worst else "-",
             ctas=f"{few['ctas_per_sm']} ({few['kernel']})" if few else "-",
             spills=sum(1 for r in rs if r["n_spills"]))
     return out
@@ -168,7 +169,7 @@ def _side(recs, target="sm_90") -> dict:
 def instruction_model(reports) -> list:
     """The "Instruction model" lines: ours against fla's chunk_gla, sm_90, and the
     targets of the compared run."""
-    from bridge import aot
+    from parity.compiled import report
 
     rep = next((r for r in reports if (r["mode"], r["gates"]) == COMPARED), None)
     if rep is None or not rep.get("targets"):
@@ -195,5 +196,5 @@ def instruction_model(reports) -> list:
                      f"{t['spills'] if fla.get('launches') else '-'} |")
     if fla.get("error"):
         lines += ["", f"fla: {fla['error']}"]
-    lines += ["", "Issue 30's targets:", "", aot.targets_markdown(rep["targets"]), ""]
+    lines += ["", "Issue 30's targets:", "", report.targets_markdown(rep["targets"]), ""]
     return lines

@@ -126,7 +126,7 @@ def model(mode, target, path=READINESS) -> dict:
     """{(phase, kernel, occurrence): prediction} from the committed AOT report of `mode`
     (key gate) for `target` ("sm_90"): dynamic warp-instructions, registers, CTAs per
     SM, the most bar.sync in a loop body."""
-    from bridge.aot import max_loop_bars
+    from parity.compiled.report import max_loop_bars
 
     try:
         with open(path) as f:
@@ -149,11 +149,11 @@ def model(mode, target, path=READINESS) -> dict:
 def launch_configs(plan, mode) -> dict:
     """{(phase, kernel, occurrence): [num_warps, num_stages]} of our launches at the
     profiled call, as this device runs them (its tuning table's entries included)."""
-    from bridge import aot
+    from parity.compiled import report
     from bridge.kernels import family
 
     fam = family(mode)
-    p = aot.report_plan((plan.B, plan.profile_T, plan.H, plan.K, plan.V),
+    p = report.report_plan((plan.B, plan.profile_T, plan.H, plan.K, plan.V),
                         "fp32" if plan.dry else "bf16", "key")
     out, seen = {}, {}
     for phase, ls in (("fwd", fam.forward_launches(p)),

@@ -16,7 +16,8 @@ list is timed there, each candidate's own.
 
 import time
 
-from bridge import aot, tuning
+from bridge import tuning
+from parity.compiled import report
 
 from .rows import failure
 
@@ -26,7 +27,7 @@ _ENVS = {}     # (gates, mode) -> the call's inputs: the last call's, per proces
 
 def call_plan(plan, gates):
     """The swept call: bf16 (fp32 in the dry run, whose inputs are fp32), this gate set."""
-    return aot.report_plan((plan.B, plan.sweep_T, plan.H, plan.K, plan.V),
+    return report.report_plan((plan.B, plan.sweep_T, plan.H, plan.K, plan.V),
                            "fp32" if plan.dry else "bf16", gates)
 
 

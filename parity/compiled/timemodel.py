@@ -1,6 +1,6 @@
 """A time model per launch, from what the AOT report already has (no GPU).
 
-    t = launch_time(rec, HARDWARE["H200"])   # rec: a bridge.aot / bridge.aot_fla launch record
+    t = launch_time(rec, HARDWARE["H200"])   # rec: a launch record of parity.compiled's report
     t["total"], t["binds"]                 # seconds, and which term sets them
 
 Per launch, each a time in seconds on one GPU of `HARDWARE`:
@@ -18,7 +18,7 @@ walks a code region's SASS in order (one issue a cycle; an instruction waits for
 its source registers; the latencies of `LATENCY`; cp.async groups, wgmma groups
 and the MUFU pipe's occupancy tracked), and a program's chain is its code
 outside loops once plus each loop body's steady-state chain x the body's runs
-per program (bridge.sass). The throughput terms assume the work spreads over
+per program (parity.compiled.sass). The throughput terms assume the work spreads over
 every SM; the chain assumes nothing else slows that warp down. Every constant is
 a datasheet figure or a published microbenchmark's, none fitted to a timing.
 """
@@ -192,7 +192,7 @@ def waves(programs: int, ctas_per_sm: int, gpu: Gpu) -> int:
     return math.ceil(programs / (gpu.sms * max(int(ctas_per_sm), 1)))
 
 
-# what `time` reads of a record besides dynamic and ctas_per_sm (bridge.aot_fla keeps
+# what `time` reads of a record besides dynamic and ctas_per_sm (parity.compiled.fla keeps
 # them for every autotune config)
 FIELDS = ("programs", "bytes", "mma_flops", "chain", "dynamic_classes")
 
@@ -239,7 +239,8 @@ def modelled(recs) -> list:
 
 # ---------------------------------------------------------------- tables
 
-TEXT = ("Time model (bridge/timemodel.py): per launch hbm = bytes / HBM bandwidth, tensor = "
+TEXT = ("Time model (parity/compiled/timemodel.py): per launch hbm = bytes / HBM bandwidth, "
+        "tensor = "
         "HMMA/HGMMA FLOPs / tensor peak, mufu = ex2 lanes / (16 a clock x SMs), issue = "
         "warp-instructions / (4 a clock x SMs), chain = waves x one program's dependent SASS "
         "chain; a launch takes the largest + {:.0f} us. H100 SXM: 3.35 TB/s; H200: 4.8 TB/s; "
@@ -307,25 +308,3 @@ def compare_markdown(families: dict, measured: dict = None) -> str:
 # (8,16,128,128), GLA key gate): {(family, T): (fwd ms, fwd+bwd ms)}.
 MEASURED_H200 = {("chunk", 4096): (1.558, 6.384), ("fla", 4096): (1.337, 6.018),
                  ("chunk", 8192): (3.055, 12.721), ("fla", 8192): (2.606, 11.907)}
-
-
-def main(argv=None):
-    """python -m bridge.timemodel LABEL=T:REPORT.json ...: the comparison table (and
-    each family's launch table) of saved `bridge.aot --report --json` or
-    `bridge.aot_fla --json` outputs."""
-    import json
-    import sys
-
-    families = {}
-    for arg in (argv if argv is not None else sys.argv[1:]):
-        label, rest = arg.split("=", 1)
-        T, path = rest.split(":", 1)
-        with open(path) as f:
-            families[f"{label} {T}"] = (int(T), json.load(f)["launches"])
-    print(TEXT + "\n\n" + compare_markdown(families, MEASURED_H200))
-    for label, (T, recs) in families.items():
-        print(f"\n{label}:\n\n" + launch_markdown(recs))
-
-
-if __name__ == "__main__":
-    main()

@@ -27,202 +27,8 @@ import textwrap
 from collections import Counter
 from dataclasses import dataclass, field
 
-import triton.language as _tl
-
-
-class Underivable(Exception):
-    """A branch or loop bound depends on a value the skeleton cannot know."""
-
-
-class _Unknown:
-    """A tensor, pointer or loaded value: every operation on it gives itself."""
-
-    def __repr__(self):
-        return "UNKNOWN"
-
-    def __bool__(self):
-        raise Underivable("condition on a runtime value")
-
-    def __index__(self):
-        raise Underivable("loop bound from a runtime value")
-
-    def __getattr__(self, name):
-        return self
-
-    def __call__(self, *a, **k):
-        return self
-
-    def __getitem__(self, item):
-        return self
-
-    def __iter__(self):
-        raise Underivable("iterating a runtime value")
-
-
-UNKNOWN = _Unknown()
-
-
-def _absorb(name):
-    def op(self, *other):
-        return UNKNOWN
-    op.__name__ = name
-    return op
-
-
-for _n in ("add sub mul truediv floordiv mod pow lshift rshift and or xor matmul "
-           "radd rsub rmul rtruediv rfloordiv rmod rpow rlshift rrshift rand ror rxor "
-           "lt le gt ge eq ne neg pos invert abs").split():
-    setattr(_Unknown, f"__{_n}__", _absorb(f"__{_n}__"))
-_Unknown.__hash__ = object.__hash__
-
-
-class _Typed(_Unknown):
-    """A tensor or pointer of known dtype (`dtype`: a `tl.dtype`, `tl.pointer_type`
-    for a pointer): its values stay unknown, its dtype is read by dtype branches."""
-
-    def __init__(self, dtype):
-        self.dtype = dtype
-
-    def __repr__(self):
-        return f"UNKNOWN[{self.dtype}]"
-
-
-def _typed_op(name):
-    def op(self, *other):
-        if isinstance(self.dtype, _tl.pointer_type):  # an offset added keeps the pointer
-            return self if name in ("__add__", "__radd__", "__sub__") else UNKNOWN
-        # a tile keeps its dtype with a Python scalar or a tile of that dtype
-        o = other[0] if other else None
-        same = o is None or isinstance(o, (bool, int, float)) or (
-            isinstance(o, _Typed) and o.dtype == self.dtype)
-        return self if same else UNKNOWN
-    op.__name__ = name
-    return op
-
-
-for _n in ("add sub mul truediv radd rsub rmul rtruediv neg").split():
-    setattr(_Typed, f"__{_n}__", _typed_op(f"__{_n}__"))
-_Typed.__hash__ = object.__hash__
-
-
-def pointer(dtype) -> _Typed:
-    """A tensor argument for `trip_counts`: a pointer to `dtype` (a `tl.dtype` or
-    its name: 'bfloat16' or 'bf16', 'float32' or 'fp32', ...)."""
-    if isinstance(dtype, str):
-        dtype = getattr(_tl, _LONG.get(dtype, dtype))
-    return _Typed(_tl.pointer_type(dtype))
-
-
-_LONG = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64",
-         "i32": "int32", "i64": "int64", "i8": "int8"}
-
-
-def _typed(dtype):
-    dtype = _unwrap(dtype)
-    return _Typed(dtype) if isinstance(dtype, _tl.dtype) else UNKNOWN
-
-
-def _known(*xs):
-    return not any(isinstance(x, _Unknown) for x in xs)
-
-
-def _unwrap(x):
-    return getattr(x, "value", x) if type(x).__name__ == "constexpr" else x
-
-
-class _FakeTL:
-    """`triton.language` for the skeleton: scalar program ids, cdiv, min/max,
-    where on scalars, the loop ranges; everything else yields UNKNOWN."""
-
-    def __init__(self, run):
-        self._run = run
-
-    def program_id(self, axis=0):
-        return self._run.pid[_unwrap(axis)]
-
-    def num_programs(self, axis=0):
-        return self._run.grid[_unwrap(axis)]
-
-    @staticmethod
-    def cdiv(a, b):
-        a, b = _unwrap(a), _unwrap(b)
-        return -(-a // b) if _known(a, b) else UNKNOWN
-
-    @staticmethod
-    def minimum(a, b, *_, **__):
-        return min(a, b) if _known(a, b) else UNKNOWN
-
-    @staticmethod
-    def maximum(a, b, *_, **__):
-        return max(a, b) if _known(a, b) else UNKNOWN
-
-    @staticmethod
-    def where(c, a, b):
-        if not _known(c, a, b) or not isinstance(c, (bool, int)):
-            return UNKNOWN
-        return a if c else b
-
-    @staticmethod
-    def multiple_of(x, *_):
-        return x
-
-    max_contiguous = max_constancy = multiple_of
-
-    @staticmethod
-    def range(*args, **_):
-        return _range(*args)
-
-    @staticmethod
-    def load(ptr, *_, **__):
-        t = getattr(ptr, "dtype", None) if isinstance(ptr, _Typed) else None
-        return _Typed(t.element_ty) if isinstance(t, _tl.pointer_type) else UNKNOWN
-
-    @staticmethod
-    def zeros(shape, dtype=None):
-        return _typed(dtype)
-
-    @staticmethod
-    def full(shape, value, dtype=None):
-        return _typed(dtype)
-
-    @staticmethod
-    def dot(a, b, acc=None, *_, out_dtype=_tl.float32, **__):
-        return acc if isinstance(acc, _Typed) else _typed(out_dtype)
-
-    static_range = range
-
-    @staticmethod
-    def constexpr(x=None):
-        return _unwrap(x)
-
-    def __getattr__(self, name):
-        real = getattr(_tl, name, None)
-        return real if isinstance(real, _tl.dtype) else UNKNOWN
-
-
-class _FakeTriton:
-    cdiv = staticmethod(_FakeTL.cdiv)
-
-    def __init__(self, tl):
-        self.language = tl
-
-    def __getattr__(self, name):
-        return UNKNOWN
-
-
-def _range(*args):
-    args = [_unwrap(a) for a in args]
-    if not _known(*args) or not all(isinstance(a, int) for a in args):
-        raise Underivable("range() of a runtime value")
-    return range(*args)
-
-
-def _to(x, dtype=None, *_, **__):
-    """`x.to(dtype)`: on a scalar the value itself (int32/int64 overflow ignored),
-    on a tensor an unknown one of that dtype."""
-    return _typed(dtype) if isinstance(x, _Unknown) else x
-
-
+from .symbolic import (UNKNOWN, FakeTL, FakeTriton, Typed, loop_range, typed_to,
+                       unwrap)
 @dataclass
 class TripCounts:
     """Loop body executions of one launch, summed over its programs."""
@@ -463,7 +269,7 @@ class Skeleton:
         return out
 
     def _globals(self, fn, run):
-        tl = _FakeTL(run)
+        tl = FakeTL(run)
         scope = dict(fn.__globals__)
         if fn.__closure__:
             scope.update({n: c.cell_contents for n, c in zip(fn.__code__.co_freevars,
@@ -474,10 +280,10 @@ class Skeleton:
                 continue
             env[name] = self._value(scope[name], run, tl)
         env.update(__builtins__=__builtins__, __UNKNOWN=UNKNOWN, __loop=run.loop,
-                   __cond=run.cond, __to=_to,
+                   __cond=run.cond, __to=typed_to,
                    __count=lambda k: run.counts.__setitem__(k, run.counts[k] + 1),
                    __exit=lambda k: run.__dict__.setdefault("exit", k),
-                   range=_range)
+                   range=loop_range)
         return env
 
     def _value(self, v, run, tl):
@@ -486,7 +292,7 @@ class Skeleton:
         if type(v).__name__ == "ConstexprFunction":  # plain Python on constexprs
             def constexpr_call(*a, **k):
                 try:
-                    return v.fn(*(_unwrap(x) for x in a), **{n: _unwrap(x) for n, x in k.items()})
+                    return v.fn(*(unwrap(x) for x in a), **{n: unwrap(x) for n, x in k.items()})
                 except Exception:  # an argument the skeleton does not know
                     return UNKNOWN
             return constexpr_call
@@ -496,14 +302,14 @@ class Skeleton:
             def call(*a, **k):
                 return skel.build(v, run)(*a, **k)
             return call
-        v = _unwrap(v)
+        v = unwrap(v)
         if isinstance(v, (bool, int, float, str)) or v is None:
             return v
         if isinstance(v, types.ModuleType):
             if v.__name__ == "triton.language":
                 return tl
             if v.__name__ == "triton":
-                return _FakeTriton(tl)
+                return FakeTriton(tl)
             if v.__name__ == "builtins":
                 return v
             return UNKNOWN
@@ -527,8 +333,8 @@ def trip_counts(kernel, grid, params: dict, max_programs: int = 1 << 20) -> Trip
     names = list(inspect.signature(kernel.fn).parameters)
     args = []
     for n in names:
-        v = _unwrap(params.get(n, UNKNOWN))
-        args.append(v if isinstance(v, (bool, int, float, str, _Typed)) or v is None
+        v = unwrap(params.get(n, UNKNOWN))
+        args.append(v if isinstance(v, (bool, int, float, str, Typed)) or v is None
                     else UNKNOWN)
     read = _axes_read(kernel)
     axes = [range(g) if a in read else range(1) for a, g in enumerate(run.grid)]

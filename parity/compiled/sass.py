@@ -1,7 +1,7 @@
 """Reading a compiled kernel's SASS without a GPU: loops, instruction classes,
 occupancy and a dynamic warp-instruction estimate.
 
-    a = analyze(cubin, ptx, trips, num_warps)      # trips: bridge.tripcounts
+    a = analyze(cubin, ptx, trips, num_warps)      # trips: parity.compiled.tripcounts
     occupancy(regs, shared, num_warps, arch)      # CTAs per SM
 
 disassembles the cubin with Triton's bundled nvdisasm (line info on: Triton
@@ -13,7 +13,7 @@ and estimates the warp-instructions one launch issues:
 
     sum over code regions (instructions in the region x times it runs) x warps
 
-where a loop body runs as often as `bridge.tripcounts` says its source loop's
+where a loop body runs as often as `parity.compiled.tripcounts` says its source loop's
 body runs over the grid (divided by ptxas's unroll factor, found by matching the
 loop's bar.sync, ex2, mma, cp.async and global-store counts, which ptxas keeps one
 for one, with a PTX loop's), code outside loops once per program, and a program
@@ -84,6 +84,14 @@ def tool(name: str) -> str:
     from triton import knobs
 
     return getattr(knobs.nvidia, name).path
+
+
+def has_nvdisasm() -> bool:
+    """Whether Triton bundles nvdisasm here (its NVIDIA backend is installed)."""
+    try:
+        return os.path.exists(tool("nvdisasm"))
+    except Exception:
+        return False
 
 
 def disassemble(cubin: bytes) -> str:
@@ -272,7 +280,7 @@ class Analysis:
     dynamic_classes: dict  # the same for each reported class
     notes: list
     mma_flops: float = 0.0  # tensor-core FLOPs of the whole launch (HMMA / HGMMA shapes)
-    chain: float = 0.0      # cycles of one program's dependent chain (bridge.timemodel)
+    chain: float = 0.0      # cycles of one program's dependent chain (parity.compiled.timemodel)
 
     def as_dict(self) -> dict:
         return dict(instructions=self.instructions, loops=self.loops,
@@ -283,7 +291,7 @@ class Analysis:
 
 def analyze(cubin: bytes, ptx: str, trips, num_warps: int, sass: str = None,
             programs: int = 1) -> Analysis:
-    """The SASS section of one launch; `trips` is bridge.tripcounts.TripCounts
+    """The SASS section of one launch; `trips` is parity.compiled.tripcounts.TripCounts
     for the launch's grid (None when they could not be derived: every loop body
     then counts once per each of `programs`, a lower bound, said in the notes)."""
     ins, labels = parse(sass if sass is not None else disassemble(cubin))

@@ -1,7 +1,8 @@
 """flash-linear-attention's GLA chunk kernels compiled like ours, with no GPU
-(`python -m bridge.aot --report --compare-fla` runs this in a subprocess).
+(`python -m parity.compiled --report --compare-fla` runs this in a subprocess).
 
-    TRITON_INTERPRET=0 python -m bridge.aot_fla --shape 8,4096,16,128,128 --dtype bf16 [--json PATH]
+    TRITON_INTERPRET=0 python -m parity.compiled --fla --shape 8,4096,16,128,128 --dtype bf16 \
+        [--json PATH]
 
 Runs `fla.ops.gla.chunk_gla` forward (output_final_state=True) and its backward
 (with a final-state gradient) on torch "meta" tensors of the shape, under a
@@ -10,18 +11,15 @@ SMs) and torch.cuda facts to match, so fla picks the autotune configs it offers
 on an H100. No kernel runs: every launch is caught where its autotuner would
 benchmark, and each config the autotuner would try (after fla's own pruning) is
 compiled through Triton's own binder (`JITFunction.run(warmup=True)`: the
-specialisation a real launch gets) for sm_90, then read by bridge.sass with trip
-counts from bridge.tripcounts. Per launch the config with the fewest dynamic
+specialisation a real launch gets) for sm_90, then read by parity.compiled.sass with trip
+counts from parity.compiled.tripcounts. Per launch the config with the fewest dynamic
 warp-instructions is kept; the others are listed. fla's code is read from the
 installed package (fla-core, the `bench` extra), never copied here.
 """
 
-import argparse
 import contextlib
 import inspect
 import io
-import json
-import os
 import sys
 import time
 import types
@@ -134,11 +132,11 @@ _TRIPS = {}
 
 
 def compile_config(entry, cfg, arch=90) -> dict:
-    """One launch at one config: the record bridge.aot reports for ours."""
+    """One launch at one config: the record parity.compiled reports for ours."""
     from triton import knobs
 
-    from . import aot
-    from .tripcounts import UNKNOWN, pointer
+    from . import build
+    from .symbolic import UNKNOWN, pointer
 
     fn = entry["fn"]
     kwargs = dict(entry["kwargs"])
@@ -158,28 +156,28 @@ def compile_config(entry, cfg, arch=90) -> dict:
     with knobs.nvidia.scope(), contextlib.redirect_stdout(buf):
         knobs.nvidia.dump_ptxas_log = True
         k = fn.run_unpatched(*entry["args"], grid=grid, warmup=True, **kwargs)
-    use = aot._parse_ptxas_log(buf.getvalue())
+    use = build.parse_ptxas_log(buf.getvalue())
     if use["regs"] is None:
-        use = aot._ptxas_usage(k.asm["ptx"], arch)
+        use = build.ptxas_usage(k.asm["ptx"], arch)
     num_warps = k.metadata.num_warps
-    # tensors as pointers of their dtype, as bridge.aot passes ours
+    # tensors as pointers of their dtype, as parity.compiled passes ours
     params = {n: (None if v is None else v if isinstance(v, (bool, int, float, str))
                   else pointer(str(v.dtype).removeprefix("torch.")) if hasattr(v, "data_ptr")
                   else UNKNOWN)
               for n, v in bound.items()}
     memo = (fn.__name__, tuple(grid), repr(sorted(params.items(), key=lambda kv: kv[0])))
     if memo not in _TRIPS:  # configs that differ in warps / stages only share trip counts
-        _TRIPS[memo] = aot.launch_trips(fn, grid, params)
+        _TRIPS[memo] = build.launch_trips(fn, grid, params)
     trips, why = _TRIPS[memo]
     programs = grid[0] * grid[1] * grid[2]
     rec = dict(kernel=fn.__name__, phase=entry["phase"], target=f"sm_{arch}", grid=grid,
                programs=programs, num_warps=num_warps, num_stages=k.metadata.num_stages,
                config=_config_text(cfg), n_regs=use["regs"], n_spills=use["spill_bytes"] or 0,
-               shared=k.metadata.shared, **aot.count_mma(k.asm["ptx"]),
+               shared=k.metadata.shared, **build.count_mma(k.asm["ptx"]),
                # HBM bytes: every tensor argument read or written once
                bytes=sum(v.numel() * v.element_size() for v in bound.values()
                          if hasattr(v, "data_ptr")))
-    rec.update(aot.sass_fields(k, trips, num_warps, arch, rec["n_regs"], rec["shared"], why,
+    rec.update(build.sass_fields(k, trips, num_warps, arch, rec["n_regs"], rec["shared"], why,
                                programs))
     return rec
 
@@ -190,7 +188,7 @@ def report(shape, dtype="bf16", log=None) -> dict:
     {fwd, bwd}, "versions"}."""
     import triton
 
-    from . import aot
+    from . import report
 
     launches = []
     entries = capture(shape, dtype)
@@ -214,7 +212,7 @@ def report(shape, dtype="bf16", log=None) -> dict:
                                 n_regs=r.get("n_regs"), n_spills=r.get("n_spills"),
                                 **{k: r[k] for k in timemodel.FIELDS if k in r},
                                 ctas_per_sm=r.get("ctas_per_sm"),
-                                max_loop_bars=aot.max_loop_bars(r) if "loops" in r else None,
+                                max_loop_bars=report.max_loop_bars(r) if "loops" in r else None,
                                 error=r.get("error"))
                            for r in tried]
         launches.append(best)
@@ -226,27 +224,3 @@ def report(shape, dtype="bf16", log=None) -> dict:
     dyn = {p: sum(r.get("dynamic", 0) for r in launches if r["phase"] == p) for p in ("fwd", "bwd")}
     return dict(launches=launches, dynamic=dyn, shape=list(shape), dtype=dtype,
                 versions=dict(fla=getattr(fla, "__version__", None), triton=triton.__version__))
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="8,4096,16,128,128", help="B,T,H,K,V")
-    ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
-    ap.add_argument("--json", help="write the JSON here (default: stdout)")
-    args = ap.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        sys.exit("bridge.aot_fla: run with TRITON_INTERPRET=0")
-    os.environ["TRITON_INTERPRET"] = "0"
-    shape = [int(x) for x in args.shape.split(",")]
-    rep = report(shape, args.dtype, log=lambda s: print(s, file=sys.stderr, flush=True))
-    text = json.dumps(rep, indent=1)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
-    else:
-        print(text, flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,329 @@
+"""parity.compiled's pieces on toy kernels with closed forms: the tensor-core
+instructions counted in the PTX, every launch compiled with floats typed as Inductor
+types them, the SASS dynamic counts, occupancy, and trip counts by hand (each build in
+a subprocess with TRITON_INTERPRET=0: this process may run Triton's interpreter)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+import bridge.kernels  # noqa: E402,F401  (decides the interpreter before triton is imported)
+from parity.compiled import sass  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+_TOY = '''
+import json, sys
+import triton, triton.language as tl
+from parity.compiled import build
+from bridge.launch import Launch, Out
+
+@triton.jit
+def toy(a, b, c, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, IEEE: tl.constexpr):
+    m, n, k = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
+    x = tl.load(a + m[:, None] * K + k[None, :])
+    y = tl.load(b + k[:, None] * N + n[None, :])
+    if IEEE:
+        z = tl.dot(x.to(tl.float32), y.to(tl.float32), input_precision="ieee")
+    else:
+        z = tl.dot(x, y)
+    tl.store(c + m[:, None] * N + n[None, :], z)
+
+out = {}
+for dtype in ("bfloat16", "float16"):
+    for ieee in (False, True):
+        launch = Launch(toy, (1,), dict(a="q", b="k"), {}, dict(c=Out("c", (64, 64))),
+                        dict(M=64, N=64, K=64, IEEE=ieee), num_warps=4)
+        for arch in (80, 90):
+            k = build.compile_source(launch, dict(q=dtype, k=dtype, c="float32"), arch)
+            out[f"{dtype}-{ieee}-{arch}"] = build.count_mma(k.asm["ptx"])
+print(json.dumps(out))
+'''
+
+
+def _compiled_json(tmp_path, source, timeout):
+    """Run `source` (a script printing JSON last) with TRITON_INTERPRET=0; its JSON."""
+    (tmp_path / "script.py").write_text(textwrap.dedent(source))
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(tmp_path / "script.py")], env=env,
+                         capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(res.stdout.splitlines()[-1])
+
+
+def test_count_mma_on_a_compiled_dot(tmp_path):
+    """count_mma on real PTX: a 64x64x64 bf16/fp16 tl.dot is mma.sync on sm_80
+    and wgmma on sm_90 (4 warps, M = 64), of the operands' type; an fp32 "ieee"
+    product has no tensor-core instruction."""
+    got = _compiled_json(tmp_path, _TOY, timeout=300)
+    for dtype, t in (("bfloat16", "bf16"), ("float16", "f16")):
+        assert got[f"{dtype}-False-80"]["mma"] > 0 and got[f"{dtype}-False-80"]["wgmma"] == 0
+        assert got[f"{dtype}-False-90"]["wgmma"] > 0
+        assert got[f"{dtype}-False-80"]["mma_types"] == got[f"{dtype}-False-90"]["mma_types"] == [t]
+        for arch in (80, 90):
+            assert got[f"{dtype}-True-{arch}"] == dict(mma=0, wgmma=0, mma_types=[])
+
+
+_INDUCTOR_FLOATS = '''
+import json
+from parity.compiled import build
+from bridge.kernels import chunk, fused_chunk, fused_recurrent
+
+plan = dict(build.variants())["all-bfloat16"]
+out = {}
+for stage, launches, dtypes in build.stages([fused_recurrent, chunk, fused_chunk], plan):
+    for launch in launches:
+        ptx = build.compile_source(launch, dtypes, 90, floats="fp64").asm["ptx"]
+        out[f"{stage} {launch.kernel.__name__}"] = [
+            line.strip() for line in ptx.splitlines()
+            if ".f64" in line and not line.strip().startswith((".param", "cvt."))]
+print(json.dumps(out))
+'''
+
+
+def test_every_launch_compiles_with_floats_typed_fp64_as_inductor_types_them(tmp_path):
+    """Under torch.compile on CUDA, Inductor types a Triton kernel's Python float
+    arguments fp64 (torch._inductor.codegen.triton_utils.signature_of), where Triton's
+    own launcher types them fp32. Every launch of every family (every gate, both
+    backward lists) builds so, and does no fp64 arithmetic: the float is pinned to fp32
+    on entry (an fp64 `scale` once made the fused backward's loop-carried b_dh fp64,
+    which does not compile)."""
+    got = _compiled_json(tmp_path, _INDUCTOR_FLOATS, timeout=900)
+    assert {k.split()[1] for k in got} >= {"fused_recurrent_bwd_dkv_kernel",
+                                           "chunk_output_kernel", "chunk_dqk_kernel",
+                                           "fused_chunk_fwd_kernel"}
+    assert all(not f64 for f64 in got.values()), {k: v[:3] for k, v in got.items() if v}
+
+
+# ---------------------------------------------------------------- SASS and trip counts
+
+needs_nvdisasm = pytest.mark.skipif(
+    not sass.has_nvdisasm(), reason="Triton's bundled nvdisasm is missing (no NVIDIA backend)")
+
+_LOOPS = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def loop_toy(x, N, ACTIVE, R, y, M: tl.constexpr):
+    pid = tl.program_id(0)
+    if pid >= ACTIVE:
+        return
+    o = tl.arange(0, M)
+    acc = tl.zeros([M], dtype=tl.float32)
+    for i in range(N):
+        acc += tl.exp2(tl.load(x + i * M + o))
+        for s in tl.static_range(2):
+            acc = tl.exp2(acc * 0.5)
+        for j in range(pid % R):
+            acc = tl.exp2(acc - tl.max(acc, 0))
+    tl.store(y + pid * M + o, acc)
+
+
+@triton.jit
+def small_toy(x, N, y, M: tl.constexpr):
+    o = tl.arange(0, M)
+    acc = tl.zeros([M], dtype=tl.float32)
+    for i in range(N):
+        acc += tl.exp2(tl.load(x + i * M + o))
+    tl.store(y + tl.program_id(0) * M + o, acc)
+'''
+
+_RUN_LOOPS = '''
+import json
+from parity.compiled import build, sass, tripcounts
+from bridge.launch import Launch, Out
+from loops_toy import loop_toy, small_toy
+
+def analyze(kernel, grid, scalars, M, W):
+    launch = Launch(kernel, grid, dict(x="q"), scalars, dict(y=Out("y", (grid[0], M))), dict(M=M),
+                    num_warps=W)
+    k = build.compile_source(launch, dict(q="float32", y="float32"), 90)
+    tc = tripcounts.trip_counts(kernel, grid, build.launch_params(launch))
+    blind = sass.analyze(k.asm["cubin"], k.asm["ptx"], None, W, programs=grid[0])
+    return dict(sass.analyze(k.asm["cubin"], k.asm["ptx"], tc, W).as_dict(),
+                blind=blind.as_dict())
+
+print(json.dumps(dict(big=analyze(loop_toy, (12,), dict(N=37, ACTIVE=10, R=3), 1024, 4),
+                      small=analyze(small_toy, (3,), dict(N=37), 128, 4))))
+'''
+
+
+@needs_nvdisasm
+def test_sass_dynamic_counts_match_closed_form(tmp_path):
+    """The SASS reader on two hand-written kernels compiled for sm_90, against
+    closed forms. loop_toy: 12 programs of 4 warps, 2 return at once (pid >= 10);
+    the rest run N = 37 outer iterations with 1 + 2 (static_range) exp2 of 1024
+    elements (8 per thread) and pid % 3 inner iterations with 1 exp2 and a
+    cross-warp max: MUFU.EX2 = 4 x (24 x 37 x 10 + 8 x 37 x sum(pid % 3)), the
+    inner loop's bar.sync = 4 x its static count x 37 x 9. small_toy's tiny body
+    is unrolled 4x by ptxas: the reader finds the factor, and its estimate lies
+    between the exact count and the exact count plus the 3 peeled copies."""
+    (tmp_path / "loops_toy.py").write_text(textwrap.dedent(_LOOPS))
+    (tmp_path / "run.py").write_text(textwrap.dedent(_RUN_LOOPS))
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(tmp_path / "run.py")], env=env, capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = json.loads(res.stdout.splitlines()[-1])
+    big = got["big"]
+    inner_runs = 37 * sum(p % 3 for p in range(10))
+    assert big["dynamic_classes"]["MUFU.EX2"] == 4 * (24 * 37 * 10 + 8 * inner_runs)
+    loops = {lp["line"]: lp for lp in big["loops"]}
+    assert set(loops) == {"loops_toy.py:13", "loops_toy.py:17"}  # static_range: no SASS loop
+    outer, inner = loops["loops_toy.py:13"], loops["loops_toy.py:17"]
+    assert (outer["runs"], inner["runs"]) == (370, inner_runs)
+    assert inner["parent"] == big["loops"].index(outer) and inner["depth"] == 1
+    assert inner["classes"]["BAR"] > 0 and inner["classes"]["MUFU.EX2"] == 8
+    assert big["dynamic_classes"]["BAR"] == 4 * inner["classes"]["BAR"] * inner_runs
+    assert outer["classes_nested"]["BAR"] == inner["classes"]["BAR"]
+    assert any("2 of 12 programs return early" in n for n in big["notes"])
+    small = got["small"]
+    main = [lp for lp in small["loops"] if lp["runs"]]
+    assert len(main) == 1 and "ptxas unroll 4" in main[0]["trips"], small["loops"]
+    exact = 37 * 4 * 3  # N x warps x programs, one exp2 per thread
+    assert exact <= small["dynamic_classes"]["MUFU.EX2"] <= exact + 3 * 4 * 3
+    # without trip counts every instruction runs once per program and warp, and says so
+    blind = big["blind"]
+    assert blind["dynamic"] == 4 * 12 * blind["instructions"]
+    assert any("lower bound" in n for n in blind["notes"])
+
+
+def test_occupancy_arithmetic():
+    """CTAs per SM by hand: registers are allocated per warp in 256s, shared
+    memory has 1 KiB reserved per CTA, at most 64 warps and 32 CTAs."""
+    from parity.compiled.sass import occupancy
+
+    # 168 regs -> 5376 per warp -> 12 warps of 65536 -> 3 CTAs of 4 warps
+    assert occupancy(168, 16384, 4, 90)["ctas"] == 3
+    assert occupancy(168, 16384, 4, 90)["limiter"] == "regs"
+    assert occupancy(255, 6144, 8, 90)["ctas"] == 1            # 8192 per warp -> 8 warps
+    assert occupancy(32, 100 * 1024, 4, 90) == dict(
+        ctas=2, limiter="smem", by=dict(regs=16, smem=2, warps=16, ctas=32), warps_per_sm=8)
+    assert occupancy(32, 100 * 1024, 4, 80)["ctas"] == 1       # 164 KiB per SM on sm_80
+    assert occupancy(16, 0, 1, 90)["ctas"] == 32               # the CTA limit
+    assert occupancy(64, 0, 16, 90)["by"]["warps"] == 4
+
+
+_SKELETON = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def helper(n):
+    s = 0
+    for t in range(n):
+        s += 1
+    return s
+
+
+@triton.jit
+def shape_toy(x, cu, T, N, y, BT: tl.constexpr, NC: tl.constexpr, VARLEN: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_i = i_c % NC
+    if i_c // NC >= N:
+        return
+    if VARLEN:
+        T = tl.load(cu + 1) - tl.load(cu)
+    nt = tl.cdiv(T, BT)
+    for j in range(0, i_i):
+        for k in range(j, i_i):
+            tl.store(y + k, tl.load(x + j))
+    for it in range(nt):
+        for s in tl.static_range(NC):
+            tl.store(y + s, it)
+    n = helper(i_i)
+'''
+
+
+def test_trip_counts_by_hand(tmp_path, monkeypatch):
+    """parity.compiled.tripcounts runs a kernel's control flow per program: triangular
+    nested loops, static_range, a helper's loop, an early return, and a loop
+    bound from a loaded value (cu_seqlens) reported as not derivable."""
+    from parity.compiled import symbolic, tripcounts
+
+    (tmp_path / "skeleton_toy.py").write_text(textwrap.dedent(_SKELETON))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import skeleton_toy
+
+    NC, T, BT, N = 4, 200, 64, 3
+    params = dict(x=symbolic.UNKNOWN, cu=None, T=T, N=N, y=symbolic.UNKNOWN, BT=BT, NC=NC,
+                  VARLEN=False)
+    grid = (NC * (N + 1), 5)  # the last NC programs along x return at once
+    tc = tripcounts.trip_counts(skeleton_toy.shape_toy, grid, params)
+    assert tc.programs == NC * (N + 1) * 5
+    active = N * 5  # programs per value of i_i that do not return
+    key = lambda line: ("skeleton_toy.py", line)  # noqa: E731
+    # line numbers of _SKELETON as written to the file (it starts with a newline)
+    assert tc.per_program[key(23)] == active * sum(range(NC))                       # j < i_i
+    assert tc.per_program[key(24)] == active * sum(i * (i + 1) // 2 for i in range(NC))
+    nt = -(-T // BT)
+    assert tc.per_program[key(26)] == active * NC * nt
+    assert tc.per_program[key(27)] == active * NC * nt * NC
+    assert tc.per_program[key(9)] == active * sum(range(NC))                        # helper
+    assert tc.loops[key(27)]["kind"] == "static" and tc.loops[key(26)]["kind"] == "runtime"
+    assert tc.early_exit == {key(19): NC * 5}
+    assert not tc.unknown
+    assert tc.evaluated == grid[0] * grid[1]  # both axes are read
+    varlen = tripcounts.trip_counts(skeleton_toy.shape_toy, grid,
+                                    dict(params, cu=symbolic.UNKNOWN, VARLEN=True))
+    assert varlen.unknown[key(26)] == active * NC and varlen.per_program[key(26)] == 0
+    # an axis the kernel never reads is run once and weighted
+    wide = tripcounts.trip_counts(skeleton_toy.helper, (7, 3), dict(n=5))
+    assert (wide.evaluated, wide.per_program[key(9)]) == (1, 5 * 21)
+
+
+_DTYPED = """
+import triton
+import triton.language as tl
+
+
+@triton.constexpr_function
+def pieces(op, gate):
+    return 1 if gate == op else 3
+
+
+@triton.jit
+def dtype_toy(x, y, L: tl.constexpr):
+    b = tl.load(x + tl.arange(0, 16))
+    ONE: tl.constexpr = (b.dtype != tl.float32) & (y.dtype.element_ty == b.dtype)
+    for i in range(0, 1 if ONE else L):
+        tl.store(y + i, b.to(tl.float32))
+    for j in tl.static_range(pieces(x.dtype.element_ty, tl.bfloat16)):
+        tl.store(y + j, b)
+"""
+
+
+def test_trip_counts_follow_dtypes(tmp_path, monkeypatch):
+    """A loop whose bound depends on a loaded tile's dtype or a constexpr function of
+    pointer dtypes is counted from `symbolic.pointer` arguments, and listed as
+    not derivable when the tensors are left UNKNOWN."""
+    from parity.compiled import symbolic, tripcounts
+
+    (tmp_path / "dtype_toy.py").write_text(_DTYPED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import dtype_toy
+
+    key = lambda line: ("dtype_toy.py", line)  # noqa: E731
+    P = symbolic.pointer
+    counts = {}
+    for x, y in (("bf16", "bfloat16"), ("float32", "float32"), ("bf16", "fp32")):
+        tc = tripcounts.trip_counts(dtype_toy.dtype_toy, (3,), dict(x=P(x), y=P(y), L=5))
+        assert not tc.unknown
+        counts[x, y] = (tc.mean(key(15)), tc.mean(key(17)))
+    assert counts == {("bf16", "bfloat16"): (1, 1), ("float32", "float32"): (5, 3),
+                      ("bf16", "fp32"): (5, 1)}
+    blind = tripcounts.trip_counts(dtype_toy.dtype_toy, (3,),
+                                   dict(x=symbolic.UNKNOWN, y=symbolic.UNKNOWN, L=5))
+    assert blind.unknown[key(15)] == 3
