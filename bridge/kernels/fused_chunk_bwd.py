@@ -31,7 +31,7 @@ Not here (the chunk family's list runs instead, fused_chunk.backward_launches): 
 gate gv (its gradient needs o' do and value levels), g_gamma (its gradient is not a
 cumulative sum, see chunk_bwd.py), and the shapes whose builds spill (`supported`).
 
-Memory at (8,4096,16,128,128) bf16, g [B,T,H,K] (`bridge.aot --report`'s workspace, the
+Memory at (8,4096,16,128,128) bf16, g [B,T,H,K] (`parity.compiled --report`'s workspace, the
 buffers beyond the returned gradients): dq' and dk' in fp32, 268 MB each, 0.537 GB; the
 chunk family's backward 0.948 GB (h, dh, kg, qg, dA), fused_chunk's fallback to it 1.015 GB.
 """
