@@ -90,14 +90,7 @@ def _as_fp16(x):
         return np.asarray(x, np.float64).astype(np.float16).astype(np.float64)
 
 
-# The Triton chunked backward (chunk and fused_chunk) gives NaN gate gradients where an
-# fp16 dq overflows (found here; the kernels' owners fix it): expected to fail until then.
-_DQ_NAN = pytest.mark.xfail(strict=True, reason="chunked Triton backward: NaN gate "
-                            "gradients where fp16 dq overflows (issue 43)")
-
-
-@pytest.mark.parametrize("backend,reverse", each_direction(
-    ALL, lambda b: [_DQ_NAN] if "triton-" in b.name and "chunk" in b.name else []))
+@pytest.mark.parametrize("backend,reverse", each_direction(ALL))
 def test_fp16_outputs_past_65504_are_inf_never_nan(backend, reverse):
     case = OVERFLOW.with_(reverse=reverse)
     arrays = _overflow_arrays(case)

@@ -2,7 +2,8 @@
 oracle, beyond tests/test_triton_chunk.py's feature cases: the precision cases
 of issue 35 (float16, strong gates, short sequences) and of the level products
 (long sequences, strong gates), gates given in the inputs' own 16-bit dtype
-(the exact one-piece scans), and the scan table against its closed form.
+(the exact one-piece scans), the scan table against its closed form, and its row
+sums of values past fp16's range.
 
 Interpreted on this CPU machine (Triton's interpreter).
 """
@@ -143,6 +144,37 @@ def test_scan_table_closed_form():
             np.testing.assert_allclose(f[t] + f[s], csum[t + 1] - csum[s + 1], atol=1e-12)
     np.testing.assert_allclose(tab[L] @ a, csum[1:], atol=1e-12)
     np.testing.assert_allclose(tab[L + 1] @ a, csum[-1] - csum[1:], atol=1e-12)
+
+
+@triton.jit
+def _sum_rows_kernel(tab, x, out, BT: tl.constexpr, D: tl.constexpr, LEVELS: tl.constexpr):
+    o_t, o_d = tl.arange(0, BT), tl.arange(0, D)
+    b_x = tl.load(x + o_t[:, None] * D + o_d[None, :])
+    for j in range(0, 2):
+        tl.store(out + j * BT * D + o_t[:, None] * D + o_d[None, :],
+                 chunk_scan.sum_rows(tab, LEVELS + j, b_x, BT))
+
+
+def test_row_sums_of_values_past_fp16_range():
+    """sum_rows on a float16 scan table (fp16 inputs' table) with fp32 summands from
+    1e-3 to 1e7 of both signs (a gate gradient's, where fp16 outputs overflow): the
+    sums over rows r >= t and r < t, finite and within fp32 accumulation of the
+    float64 sums (fp16 pieces of the summands were inf and gave NaN in every row)."""
+    BT, D = chunk.BT, 16
+    tab = torch.from_numpy(_table()).to(torch.float16)
+    rng = np.random.default_rng(0)
+    x = (rng.choice([-1.0, 1.0], (BT, D)) * 10.0 ** rng.uniform(-3, 7, (BT, D))).astype(
+        np.float32)
+    out = torch.empty((2, BT, D), dtype=torch.float32)
+    _sum_rows_kernel[(1,)](tab, torch.from_numpy(x), out, BT=BT, D=D, LEVELS=chunk.LEVELS)
+    x64 = x.astype(np.float64)
+    later = np.cumsum(x64[::-1], 0)[::-1]  # rows r >= t
+    want = np.stack([later, later[0][None, :] - later])  # r < t: all rows minus r >= t
+    got = out.numpy().astype(np.float64)
+    assert np.isfinite(got).all()
+    scale = np.abs(x64).sum(0)  # fp32 accumulation: error relative to the summands
+    err = np.max(np.abs(got - want) / scale)
+    assert err < BT * 2.0 ** -24, err  # n-term fp32 sums
 
 
 def test_strong_gates_fp32_stay_at_scan_precision():

@@ -81,13 +81,14 @@ def scan(tab, idx, a0, a1, a2, BT: tl.constexpr, PIECES: tl.constexpr, m=None):
 @triton.jit
 def sum_rows(tab, idx, x, BT: tl.constexpr):
     """(table matrix idx)^T x for an fp32 [BT, D] x: matrix LEVELS gives the
-    sums over rows r >= t, LEVELS + 1 over r < t (x in pieces, as decays)."""
+    sums over rows r >= t, LEVELS + 1 over r < t. x goes in as three bf16
+    pieces, exact to fp32 over fp32's range, whatever the table's dtype: the
+    summands of a gate gradient pass 65,504 where fp16 outputs overflow, and fp16
+    pieces of them were inf (inf - inf in the split, then NaN in every row)."""
     o_t = tl.arange(0, BT)
-    m = tl.load(tab + idx * BT * BT + o_t[None, :] * BT + o_t[:, None])
-    sop = tab.dtype.element_ty
-    PIECES: tl.constexpr = decay_pieces(sop, tl.float32, False)
-    x0, x1, x2 = split_pieces(x, sop, PIECES)
-    return scan(tab, idx, x0, x1, x2, BT, PIECES, m)
+    m = tl.load(tab + idx * BT * BT + o_t[None, :] * BT + o_t[:, None]).to(tl.bfloat16)
+    x0, x1, x2 = split_pieces(x, tl.bfloat16, 3)
+    return scan(tab, idx, x0, x1, x2, BT, 3, m)
 
 
 @triton.jit
