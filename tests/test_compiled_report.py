@@ -176,7 +176,8 @@ def _kernel_doc(name):
 def test_chunk_uses_tensor_cores(chunk_report):
     """The chunk family's products run on tensor cores in bf16/fp16: every launch
     with dot_flops > 0 has mma.sync on sm_80 and mma.sync or wgmma on sm_90, of
-    the input's type (tf32 only in a kernel whose docstring mentions tf32).
+    the input's type (tf32 only in a kernel whose docstring mentions tf32, bf16 in a
+    16-bit kernel only where it mentions bf16 pieces).
     Fails on fp32 "ieee" products, and where the family leaves dot_flops at 0."""
     dtype, rep = chunk_report
     recs = rep["launches"]
@@ -187,7 +188,9 @@ def test_chunk_uses_tensor_cores(chunk_report):
     for r in recs:
         if r["dot_flops"] <= 0:
             continue
-        allowed = {MMA_TYPE[dtype]} | ({"tf32"} if "tf32" in _kernel_doc(r["kernel"]) else set())
+        doc = _kernel_doc(r["kernel"])
+        allowed = ({MMA_TYPE[dtype]} | ({"tf32"} if "tf32" in doc else set())
+                   | ({"bf16"} if "bf16 pieces" in doc else set()))
         tensor_cores = r["mma"] > 0 if r["target"] == "sm_80" else r["mma"] + r["wgmma"] > 0
         if not tensor_cores or not r["mma_types"] or not set(r["mma_types"]) <= allowed:
             bad.append((r["kernel"], r["phase"], r["target"], r["mma"], r["wgmma"],

@@ -100,7 +100,9 @@ def chunk_dv_kernel(
 ):
     """dv per query head [B,T,H,V] for one chunk and V block (one block at
     V <= 128 for 16-bit inputs); with gv also db [B,T,H,V] fp32, the pairs
-    inside the chunk by levels with the value decays' factors (levels_into)."""
+    inside the chunk by levels with the value decays' factors (levels_into); db's reverse
+    row sums take the fp32 summands as bf16 pieces whatever the inputs' dtype
+    (chunk_scan.sum_rows)."""
     i_s, i_v, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (H // HK)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
@@ -215,7 +217,8 @@ def chunk_dqk_kernel(
     sum_V dh_end S_end, with S_end = (h_start decayed over the chunk) + the
     chunk's own k v^T terms: exp(A_c) sum_V dh_end h_start exp(B_c) + sum_t k_t
     dk_state_t, from the same rounded products as dk' (so that the parts of
-    dk' and carried that cancel are the same numbers).
+    dk' and carried that cancel are the same numbers). Their reverse row sums take the
+    fp32 summands as bf16 pieces whatever the inputs' dtype (chunk_scan.sum_rows).
 
     dgamma is not summed from da: sum_t da_t adds (position + 1)-weighted terms
     whose difference is the (t - s)-weighted pair term, so fp32 error would grow
