@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from bridge.contract import INPUTS  # the differentiable inputs, in the launchers' order
+from bridge.contract import PER_TOKEN
 
 ACTIVATIONS = ("q", "k", "v", "do")  # given in the tested dtype; gates and states stay fp32
 COTANGENTS = ("do", "dfinal_state")
@@ -127,6 +128,23 @@ def to_torch(arrays: dict, dtype=None, requires_grad: bool = False) -> dict:
             t = t.to(dtype)
         out[n] = t.requires_grad_(requires_grad and n in INPUTS)
     return out
+
+
+def launch_env(case, arrays: dict, dtype: str):
+    """(plan, env, t) for running a launch list directly: `t = to_torch(arrays, dtype)`,
+    the case's checked Plan, and the {name: tensor} a launch list reads (a packed call's
+    per-token inputs with their batch axis of 1, cu_seqlens in int32)."""
+    import torch
+
+    from bridge import contract
+
+    t = to_torch(arrays, getattr(torch, dtype))
+    plan = contract.check(**call_kwargs(case, t))
+    env = {n: (x.reshape((1,) + tuple(x.shape)) if plan.packed and n in PER_TOKEN else x)
+           for n, x in t.items()}
+    if plan.varlen:
+        env["cu_seqlens"] = env["cu_seqlens"].to(torch.int32)
+    return plan, env, t
 
 
 def to_jax(arrays: dict, dtype=None) -> dict:

@@ -14,9 +14,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import bridge.kernels  # noqa: E402,F401  (decides the interpreter before triton is imported)
-from bridge import contract, grads, torch_runner, tuning  # noqa: E402
+from bridge import grads, torch_runner, tuning  # noqa: E402
 from parity.compiled import report  # noqa: E402
-from bridge.contract import PER_TOKEN  # noqa: E402
 from bridge.kernels import family, fused_chunk  # noqa: E402
 from parity import backends, cases  # noqa: E402
 from parity.compare import assert_close, errors, rel_err  # noqa: E402
@@ -32,12 +31,7 @@ SAME = {"float32": 2e-6, "float16": 2e-3, "bfloat16": 1e-2}
 def run(case, arrays, dtype, segments, backward=False):
     """{o, final_state[, d<input>]} of fused_chunk's launch lists with the split forced
     to `segments`, float32 NumPy in each quantity's shape; and the forward's kernels."""
-    t = cases.to_torch(arrays, getattr(torch, dtype))
-    plan = contract.check(**cases.call_kwargs(case, t))
-    env = {n: (x.reshape((1,) + tuple(x.shape)) if plan.packed and n in PER_TOKEN else x)
-           for n, x in t.items()}
-    if plan.varlen:
-        env["cu_seqlens"] = env["cu_seqlens"].to(torch.int32)
+    plan, env, t = cases.launch_env(case, arrays, dtype)
     mod = family("fused_chunk")
     with tuning.overriding({SITE: dict(segments=segments)}):
         launches = mod.forward_launches(plan)

@@ -17,7 +17,6 @@ triton = pytest.importorskip("triton")
 import bridge.kernels  # noqa: E402,F401  (decides the interpreter before triton is imported)
 from bridge import contract, dispatch, grads, torch_runner  # noqa: E402
 from bridge.kernels import chunk, common  # noqa: E402
-from bridge.contract import PER_TOKEN  # noqa: E402  (given packed as [total, H, *])
 from parity import backends, cases  # noqa: E402
 from parity.compare import assert_close, errors, rel_err, tolerance  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -28,12 +27,7 @@ ORACLE = backends.Oracle()
 def run_chunk(case, arrays, dtype, use_dht=True):
     """{o, final_state, d<input>} from the chunk launch lists, as float32 NumPy
     in each input's shape."""
-    t = cases.to_torch(arrays, getattr(torch, dtype))
-    plan = contract.check(**{n: x for n, x in cases.call_kwargs(case, t).items()})
-    env = {n: (x.reshape((1,) + tuple(x.shape)) if plan.packed and n in PER_TOKEN else x)
-           for n, x in t.items()}
-    if plan.varlen:
-        env["cu_seqlens"] = env["cu_seqlens"].to(torch.int32)
+    plan, env, t = cases.launch_env(case, arrays, dtype)
     torch_runner.run(chunk.forward_launches(plan), env)
     assert env["o"].dtype == t["q"].dtype and env["final_state"].dtype == torch.float32
     if not use_dht:

@@ -15,7 +15,6 @@ pytest.importorskip("triton")
 
 import bridge.kernels  # noqa: E402,F401  (decides the interpreter before triton is imported)
 from bridge import contract, grads, torch_runner  # noqa: E402
-from bridge.contract import PER_TOKEN  # noqa: E402
 from bridge.kernels import family, fused_chunk, fused_chunk_bwd  # noqa: E402
 from parity import backends, cases  # noqa: E402
 from parity.compare import assert_close, errors, rel_err, tolerance  # noqa: E402
@@ -36,12 +35,7 @@ def default_backward(monkeypatch):
 def run_family(case, arrays, dtype, backward=False, use_dht=True):
     """{o, final_state[, d<input>]} of fused_chunk's launch lists, float32 NumPy in each
     quantity's shape."""
-    t = cases.to_torch(arrays, getattr(torch, dtype))
-    plan = contract.check(**cases.call_kwargs(case, t))
-    env = {n: (x.reshape((1,) + tuple(x.shape)) if plan.packed and n in PER_TOKEN else x)
-           for n, x in t.items()}
-    if plan.varlen:
-        env["cu_seqlens"] = env["cu_seqlens"].to(torch.int32)
+    plan, env, t = cases.launch_env(case, arrays, dtype)
     mod = family("fused_chunk")
     launches = mod.forward_launches(plan)
     assert len(launches) == 1 and {o.name for o in launches[0].writes()} == set(FORWARD)
