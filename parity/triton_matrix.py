@@ -143,7 +143,7 @@ def build(py: str, archs, cache: str, out_dir: Path) -> tuple[list, list]:
 
 def run_tests(py: str) -> subprocess.CompletedProcess:
     """`TESTS` under `py`, in the interpreter (the candidate build compiles itself)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", GLA_MATRIX="1", GLA_SLOW="1")
     return subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS],
                           cwd=ROOT, env=env, capture_output=True, text=True)
 

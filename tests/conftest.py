@@ -44,17 +44,22 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: minutes on the CPU; skipped unless GLA_SLOW=1")
+    config.addinivalue_line("markers", "slow: minutes on the CPU; deselected unless GLA_SLOW=1 "
+                                       "(CI's slow step)")
+    config.addinivalue_line("markers", "matrix: ahead-of-time builds that python -m "
+                                       "parity.triton_matrix runs under every supported Triton; "
+                                       "deselected unless GLA_MATRIX=1 (the matrix sets it)")
     config.addinivalue_line("markers", "backend(name): the test checks this parity backend "
                                        "(parity.backends); --backends selects by it")
 
 
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("GLA_SLOW", "") in ("", "0"):
-        skip = pytest.mark.skip(reason="slow: set GLA_SLOW=1 to run it")
-        for it in items:
-            if it.get_closest_marker("slow"):
-                it.add_marker(skip)
+    tiers = [m for m, env in (("slow", "GLA_SLOW"), ("matrix", "GLA_MATRIX"))
+             if os.environ.get(env, "") in ("", "0")]
+    left = [it for it in items if any(it.get_closest_marker(m) for m in tiers)]
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = [it for it in items if it not in left]
     chosen = {n.strip() for n in config.getoption("backends").split(",") if n.strip()}
     if not chosen:
         return

@@ -191,6 +191,7 @@ print(json.dumps(sorted(set(done))))
 """
 
 
+@pytest.mark.matrix
 def test_candidates_build_ahead_of_time_for_sm80_and_sm90(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"))
     res = subprocess.run([sys.executable, "-c", BUILD], cwd=ROOT, env=env, capture_output=True,
