@@ -11,8 +11,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from bridge.contract import INPUTS  # the differentiable inputs, in the launchers' order
-from bridge.contract import PER_TOKEN
+from bridge.contract import INPUTS, PER_TOKEN  # INPUTS: the differentiable inputs, in order
 
 ACTIVATIONS = ("q", "k", "v", "do")  # given in the tested dtype; gates and states stay fp32
 COTANGENTS = ("do", "dfinal_state")

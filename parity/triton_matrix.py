@@ -39,8 +39,7 @@ ARCHS = (80, 90)
 # The fused kernels: none on sm_90; 8 B on sm_80 (the gv backward with hints). The chunked
 # ones: 256 B on sm_90 (the fp32 FMA products and the every-flag K = V = 64 variants; the
 # bf16/fp16 configurations none: tests/test_compiled_report.py); on sm_80 the every-gate
-# 16-bit dq/dk
-# spills (the readiness report's sm_80 rows), not held. fused_chunk, not held yet: it
+# 16-bit dq/dk spills (the readiness report's sm_80 rows), not held. fused_chunk, not held yet: it
 # keeps all of K in its [32, K] operand tiles beside the state, so its fp32 variants at
 # K > 64 spill (an FMA product keeps a whole K row per thread), as do its 16-bit ones on
 # sm_80 (its bf16/fp16 variants on sm_90 build without spills).
