@@ -10,13 +10,20 @@ import pytest
 # JAX must not take 75% of the device in each (its default), or torch runs out of memory.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+# pytest-xdist runs one worker process per core and the tests' arrays are tiny: torch's
+# OpenMP pool (a thread per core in every worker) only spins against the other workers.
+# Set before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # The tests' arrays are tiny: XLA's CPU compiler spends most of a JAX test in LLVM's
-# optimization passes. Level 0 keeps the semantics (no fast-math) and compiles ~3x faster;
+# optimization passes. Level 0 without LLVM's expensive passes keeps the semantics (no
+# fast-math) and compiles ~3x faster;
 # GLA_XLA_DEFAULT=1 keeps XLA's defaults (CI's slow step runs the JAX precision files so,
 # as users' code compiles). Benchmarks never run under this file.
 _FLAGS = os.environ.get("XLA_FLAGS", "")
 if "xla_backend_optimization_level" not in _FLAGS and not os.environ.get("GLA_XLA_DEFAULT"):
-    os.environ["XLA_FLAGS"] = (_FLAGS + " --xla_backend_optimization_level=0").strip()
+    os.environ["XLA_FLAGS"] = (_FLAGS + " --xla_backend_optimization_level=0"
+                               " --xla_llvm_disable_expensive_passes=true").strip()
 
 if importlib.util.find_spec("triton") and importlib.util.find_spec("torch"):
     import bridge.kernels  # noqa: F401

@@ -8,7 +8,7 @@ import pytest
 from parity import __main__ as cli
 from parity import backends, cases
 
-QUICK = ("everything", "strong-gates")  # "everything" has grouped heads (Hk < H)
+QUICK = ("everything",)  # grouped heads, every gate kind, reverse, packed and empty sequences
 
 
 def test_quick_matrix_passes(tmp_path, capsys):
