@@ -158,7 +158,9 @@ def fused_chunk_fwd_kernel(
     [N,H,NS,K,V] and the last segment writes ht. LOCAL: the segments 0..NS-2 walked
     from a zero state without q or o, writing their final states to ht [N,H,NS-1,K,V]
     and their log decays summed, la [N,H,NS-1,K] (key gates) and lb [N,H,NS-1,V] (gv),
-    K in blocks of BK there (the update is independent per key)."""
+    K in blocks of BK there (the update is independent per key). With K in NK > 1 blocks
+    otherwise (NS = 1): o is o_part [B,T,H,NK,V] fp32, each K block's partial, and ht
+    gets each block's rows."""
     scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     NV: tl.constexpr = (V + BV - 1) // BV
     NK: tl.constexpr = (K + BK - 1) // BK  # 1 but in LOCAL and with K split (config)
