@@ -22,9 +22,10 @@ TRITON_ONLY = ("fused_recurrent", "fused_chunk")
 # The largest head dims (K, V) each Triton family takes (None: no limit). chunk and
 # fused_recurrent block K and V over loops and programs; up to 512 (fla's range) they are
 # tested against the oracle and build without register spills (`python -m parity.compiled
-# --report`); fused_chunk holds all of K of its state in one block. The torch, XLA and
-# Pallas platforms take any head dims.
-HEAD_DIMS = {"chunk": (512, 512), "fused_recurrent": (512, 512), "fused_chunk": (256, None)}
+# --report`). fused_chunk takes K up to 512 too (all of K in one block up to 256, past it
+# K blocks over programs; its backward there is the chunk family's) and any V. The torch,
+# XLA and Pallas platforms take any head dims.
+HEAD_DIMS = {"chunk": (512, 512), "fused_recurrent": (512, 512), "fused_chunk": (512, None)}
 
 
 class Call(NamedTuple):

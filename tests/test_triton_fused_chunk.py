@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import bridge.kernels  # noqa: E402,F401  (decides the interpreter before triton is imported)
-from bridge import contract, grads, torch_runner  # noqa: E402
+from bridge import contract, grads, torch_runner, tuning  # noqa: E402
 from bridge.kernels import family, fused_chunk, fused_chunk_bwd  # noqa: E402
 from parity import backends, cases  # noqa: E402
 from parity.compare import assert_close, errors, rel_err, tolerance  # noqa: E402
@@ -38,7 +38,9 @@ def run_family(case, arrays, dtype, backward=False, use_dht=True):
     plan, env, t = cases.launch_env(case, arrays, dtype)
     mod = family("fused_chunk")
     launches = mod.forward_launches(plan)
-    assert len(launches) == 1 and {o.name for o in launches[0].writes()} == set(FORWARD)
+    # one launch; past K = 256, the K blocks' partial outputs and their sum
+    assert [{o.name for o in x.writes()} for x in launches] == (
+        [set(FORWARD)] if plan.K <= fused_chunk.SPLIT_K else [{"o_part", "final_state"}, {"o"}])
     torch_runner.run(launches, env)
     assert env["o"].dtype == t["q"].dtype and env["final_state"].dtype == torch.float32
     out = {"o": env["o"], "final_state": env["final_state"]}
@@ -220,10 +222,28 @@ def test_backward_low_precision(dtype):
 
 
 def test_k_too_large_raises():
-    qk = np.zeros((1, 2, 1, 300), np.float32)
+    qk = np.zeros((1, 2, 1, 513), np.float32)
     plan = contract.check(qk, qk, np.zeros((1, 2, 1, 8), np.float32))
-    with pytest.raises(ValueError, match="^q: mode='fused_chunk' supports K <= 256"):
+    with pytest.raises(ValueError, match="^q: mode='fused_chunk' supports K <= 512"):
         fused_chunk.forward_launches(plan)
+
+
+@pytest.mark.parametrize("K,NK", [(256, 1), (257, 5), (300, 5), (320, 5), (512, 8)])
+def test_k_split_plan(K, NK):
+    """Past K = 256 the forward runs ceil(K / 64) programs per (sequence x head, V block)
+    and the partial sum, even where the sequence split is forced; up to 256 one launch
+    (values against the oracle: tests/test_wide_heads.py)."""
+    qk = np.zeros((1, 64, 2, K), np.float32)
+    plan = contract.check(qk, qk, np.zeros((1, 64, 2, 40), np.float32))
+    with tuning.overriding({("fused_chunk", "split"): dict(segments=2)}):
+        launches = fused_chunk.forward_launches(plan)
+    if NK == 1:
+        assert len(launches) == 3  # the forced sequence split
+        return
+    fwd, ksum = launches
+    nv = fused_chunk.config(plan)["NV"]
+    assert fwd.grid == (NK * nv * 2,) and fwd.constexprs["NS"] == 1
+    assert fwd.writes()[0].shape == (1, 64, 2, NK, 40) and ksum.constexprs["NK"] == NK
 
 
 def test_same_as_chunk_family_bf16():

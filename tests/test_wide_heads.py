@@ -1,10 +1,11 @@
-"""Head dims past 256 (issue 43 item 4): both Triton families (chunk, fused_recurrent) at
-K, V up to 512, odd sizes among them (masked blocks), against the float64 oracle, values
-and gradients, fp32 and bf16; and dispatch: "auto" never picks a family or platform that
-refuses the call's head dims (bridge.dispatch.HEAD_DIMS), a named one refuses before any
-kernel.
+"""Head dims past 256 (issue 43 item 4): the Triton families (chunk, fused_recurrent at
+K, V up to 512; fused_chunk at K up to 512, its K split over programs) with odd sizes
+among them (masked blocks), against the float64 oracle, values and gradients, fp32 and
+bf16; and dispatch: "auto" never picks a family or platform that refuses the call's head
+dims (bridge.dispatch.HEAD_DIMS), a named one refuses before any kernel.
 
-The interpreter runs these (one chunk, one head: 7-14 s a case on this 2-core machine)."""
+The interpreter runs these (one or two chunks, one or two heads: 5-14 s a case on this
+2-core machine)."""
 
 import numpy as np
 import pytest
@@ -19,9 +20,12 @@ from parity.compare import assert_close, rel_err  # noqa: E402
 
 import test_triton_chunk  # noqa: E402
 import test_triton_fused  # noqa: E402
+import test_triton_fused_chunk  # noqa: E402
 
 C = cases.Case
-RUN = {"chunk": test_triton_chunk.run_case, "fused_recurrent": test_triton_fused.run_case}
+RUN = {"chunk": test_triton_chunk.run_case, "fused_recurrent": test_triton_fused.run_case,
+       "fused_chunk": lambda case, dtype: test_triton_fused_chunk.run_case(case, dtype,
+                                                                           backward=True)}
 
 # (family, dtype, case): K and V past 256, powers of two and not (300, 260, 320: the last
 # K / V block masked); fp32 takes the chunk family's smallest blocks, so the most programs
@@ -34,6 +38,14 @@ WIDE = [
                                      g="key", gv=True, initial_state=True)),
     ("fused_recurrent", "bfloat16", C("k300-v260-all", T=12, H=1, Hk=1, K=300, V=260,
                                       g="key", gv=True, g_gamma="head", initial_state=True)),
+    # fused_chunk's K blocks of 64 (the last one masked at 260 and 300), the backward
+    # through the chunk family's list; two chunks where the state crosses a chunk
+    ("fused_chunk", "float32", C("k300-gk-h0", T=12, H=1, Hk=1, K=300, V=20, gk=True,
+                                 initial_state=True)),
+    ("fused_chunk", "bfloat16", C("k512-g-head-gamma-gqa", T=40, H=2, Hk=1, K=512, V=24,
+                                  g="head", g_gamma="head", initial_state=True)),
+    ("fused_chunk", "float32", C("k260-key-gv-varlen-reverse", H=1, Hk=1, K=260, V=16,
+                                 g="key", gv=True, seqlens=(7, 0, 33), reverse=True)),
 ]
 
 
@@ -72,7 +84,7 @@ def test_auto_platform_goes_where_the_head_dims_run(K, V, mode):
     ("triton", "auto", "^q: mode='fused_recurrent' supports K <= 512, got K=513"),
     ("triton", "chunk", "^q: mode='chunk' supports K <= 512, got K=513"),
     ("auto", "fused_recurrent", "^q: mode='fused_recurrent' supports K <= 512, got K=513"),
-    ("auto", "fused_chunk", "^q: mode='fused_chunk' supports K <= 256, got K=513"),
+    ("auto", "fused_chunk", "^q: mode='fused_chunk' supports K <= 512, got K=513"),
 ])
 def test_named_triton_paths_refuse_before_any_kernel(platform, mode, want):
     """A platform or family the caller named refuses past its limit in dispatch, before any
@@ -84,11 +96,13 @@ def test_named_triton_paths_refuse_before_any_kernel(platform, mode, want):
         _prepare(8, 513, "triton", "chunk")
 
 
-def test_fused_chunk_limit_stays_256():
-    """fused_chunk holds all of K in one block: 257 is refused where the others run it."""
-    assert dispatch.refusal(contract.check(**_arrays(257, 8)), "fused_chunk") is not None
-    assert dispatch.refusal(contract.check(**_arrays(257, 8)), "chunk") is None
-    assert dispatch.refusal(contract.check(**_arrays(256, 4096)), "fused_chunk") is None
+def test_fused_chunk_limit_is_512():
+    """fused_chunk takes K up to 512 as the others do (past 256 through its K split), and
+    any V; 513 is refused."""
+    for K in (257, 300, 512):
+        assert dispatch.refusal(contract.check(**_arrays(K, 8)), "fused_chunk") is None
+    assert dispatch.refusal(contract.check(**_arrays(513, 8)), "fused_chunk") is not None
+    assert dispatch.refusal(contract.check(**_arrays(512, 4096)), "fused_chunk") is None
 
 
 def test_auto_family_skips_one_that_refuses(monkeypatch):

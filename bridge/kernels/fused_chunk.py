@@ -20,6 +20,11 @@ segments run by separate programs and their states combined (fused_chunk_split.p
 launches of which this kernel is two, `NS` and `LOCAL`); the factor is the "split" site
 of the device table (`SITES`).
 
+Past K = 256 (up to 512, dispatch.HEAD_DIMS) K is split over programs instead (`SPLIT_K`):
+one per (sequence x head, K block, V block), each with its own block of S, writing its
+partial o to o_part [B,T,H,NK,V] fp32 (NK x 4 bytes an output element: 32 at K = 512),
+which fused_chunk_ksum_kernel sums into o; no sequence split there.
+
 Precision is the chunk family's: the same decay sums (exact fp32 sums of the
 decays' own values, as 1 or 3 16-bit tensor-core products), the same dot operands
 (the state as a dot operand in q's dtype, as chunk's h in bf16; fp32 "ieee").
@@ -36,8 +41,9 @@ through the chunk list (h and dh 268 MB each in bf16).
 
 Config: chunks of BT = 32 tokens: [BT, K] operand tiles of 64 rows beside an fp32
 state [128, 64] spilled on sm_90 at 8 warps (the chunk family's h / A stay in HBM
-instead, so it takes 64); all of K in one block (K <= 256); V blocks of BV
-(`config`); warps and pipelining stages from `warps` / `STAGES`.
+instead, so it takes 64); all of K in one block (K <= 256, else blocks of SPLIT_BK
+over programs); V blocks of BV (`config`); warps and pipelining stages from `warps` /
+`STAGES`.
 """
 
 import triton
@@ -80,21 +86,22 @@ def _key_gate(c, DT: tl.constexpr, g, gk, gamma, row0, pos, mask_t, i_h, o_k, ma
 
 
 @triton.jit
-def _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, H: tl.constexpr,
+def _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, k0, nki, H: tl.constexpr,
            HK: tl.constexpr, K: tl.constexpr, BKI: tl.constexpr, G_MODE: tl.constexpr,
            USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr, LEVELS: tl.constexpr,
            DOT_PREC: tl.constexpr):
     """A [BT, BT] fp32 of one chunk: scale sum_k q_tk k_sk exp(sum_{s<r<=t} a_rk) for
-    s <= t, 0 above the diagonal. Key-gated pairs by levels (chunk_intra_kernel's
-    construction), K in blocks of BKI loaded per level and block (L1 hits), so that
-    one block's tiles are live at a time."""
+    s <= t, 0 above the diagonal, the sum over the keys k0 .. k0 + nki BKI - 1 (all of K,
+    or the program's K block when K is split). Key-gated pairs by levels
+    (chunk_intra_kernel's construction), K in blocks of BKI loaded per level and block
+    (L1 hits), so that one block's tiles are live at a time."""
     BT: tl.constexpr = pos.shape[0]
     o_t = tl.arange(0, BT)
     op: tl.constexpr = op_dtype(q.dtype.element_ty)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
     d = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in range(0, tl.cdiv(K, BKI)):  # no decay: the diagonal (all of A ungated)
-        o_k = i_k * BKI + tl.arange(0, BKI)
+    for i_k in range(0, nki):  # no decay: the diagonal (all of A ungated)
+        o_k = k0 + i_k * BKI + tl.arange(0, BKI)
         mask_k = o_k < K
         b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K).to(op)
         b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K).to(op)
@@ -108,8 +115,8 @@ def _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, H: tl.conste
             upper = (o_t & h) != 0
             c = seg_matrix(o_t, h, DT)
             d = tl.zeros([BT, BT], dtype=tl.float32)
-            for i_k in range(0, tl.cdiv(K, BKI)):
-                o_k = i_k * BKI + tl.arange(0, BKI)
+            for i_k in range(0, nki):
+                o_k = k0 + i_k * BKI + tl.arange(0, BKI)
                 mask_k = o_k < K
                 b_x = load_qk_tile(q, k, row0, pos, i_h, i_hk, o_k, mask_t, upper, mask_k, H,
                                    HK, K)
@@ -151,10 +158,12 @@ def fused_chunk_fwd_kernel(
     [N,H,NS,K,V] and the last segment writes ht. LOCAL: the segments 0..NS-2 walked
     from a zero state without q or o, writing their final states to ht [N,H,NS-1,K,V]
     and their log decays summed, la [N,H,NS-1,K] (key gates) and lb [N,H,NS-1,V] (gv),
-    K in blocks of BK there (the update is independent per key)."""
+    K in blocks of BK there (the update is independent per key). With K in NK > 1 blocks
+    otherwise (NS = 1): o is o_part [B,T,H,NK,V] fp32, each K block's partial, and ht
+    gets each block's rows."""
     scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     NV: tl.constexpr = (V + BV - 1) // BV
-    NK: tl.constexpr = (K + BK - 1) // BK  # 1 but in LOCAL (no q: K may be blocked)
+    NK: tl.constexpr = (K + BK - 1) // BK  # 1 but in LOCAL and with K split (config)
     NP: tl.constexpr = NS - 1 if LOCAL else NS  # programs per sequence x head and V block
     pid = tl.program_id(0)
     i_v, i_k = pid % NV, (pid // NV) % NK
@@ -183,6 +192,9 @@ def fused_chunk_fwd_kernel(
     DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE, USE_GK,
                                    GAMMA_MODE)
     DV: tl.constexpr = exact_dtype(gv.dtype.element_ty, gv.dtype.element_ty, 0, True, 0)
+    # A's keys: all of K, or with K split over programs this program's block (its partial o)
+    k0 = 0 if NK == 1 else i_k * BK
+    nki = tl.cdiv(K, BKI) if NK == 1 else tl.cdiv(tl.minimum(K - k0, BK), BKI)
 
     b_s = tl.zeros([BK, BV], dtype=tl.float32)
     s_a = tl.zeros([BK, 1], dtype=tl.float32)
@@ -201,8 +213,8 @@ def fused_chunk_fwd_kernel(
                 b_s *= exp_(l_v)
                 s_b += l_v
         else:
-            b_a = _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, H, HK, K, BKI,
-                         G_MODE, USE_GK, GAMMA_MODE, LEVELS, DOT_PREC)
+            b_a = _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, k0, nki, H, HK,
+                         K, BKI, G_MODE, USE_GK, GAMMA_MODE, LEVELS, DOT_PREC)
             b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K).to(tl.float32) * scale
             if KGATE:  # gated from the chunk's start
                 f, _ = _key_gate(seg_matrix(o_t, 2 * BT, DT), DT, g, gk, gamma, row0, pos,
@@ -227,8 +239,8 @@ def fused_chunk_fwd_kernel(
             else:
                 acc = tl.dot(b_a.to(op), b_v.to(op), acc, input_precision=DOT_PREC)
                 b_vg = b_v
-            tl.store(tile_ptrs(o, row0, pos, i_h, o_v, H, V), acc.to(o.dtype.element_ty),
-                     mask=mask_t[:, None] & mask_v[None, :])
+            tl.store(tile_ptrs(o, row0, pos, i_h * NK + i_k, o_v, H * NK, V),
+                     acc.to(o.dtype.element_ty), mask=mask_t[:, None] & mask_v[None, :])
         # k loaded (and its decays again, L1 hits) only now: q's tiles are dead by here
         b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K).to(tl.float32)
         if KGATE:  # gated to the chunk's end
@@ -255,18 +267,46 @@ def fused_chunk_fwd_kernel(
         tl.store(ht + base + p_kv, b_s, mask=mask_h)
 
 
+@triton.jit
+def fused_chunk_ksum_kernel(x, M, o, V: tl.constexpr, NK: tl.constexpr, BM: tl.constexpr,
+                            BV: tl.constexpr):
+    """o [M, V] (o's dtype) = the sum over its NK K blocks of x [M, NK, V] fp32, the K-split
+    forward's partial outputs (M = B T H rows), added in block order."""
+    NV: tl.constexpr = (V + BV - 1) // BV
+    pid = tl.program_id(0)
+    o_m = (pid // NV).to(tl.int64) * BM + tl.arange(0, BM)
+    o_v = (pid % NV) * BV + tl.arange(0, BV)
+    mask = (o_m < M)[:, None] & (o_v < V)[None, :]
+    acc = tl.zeros([BM, BV], dtype=tl.float32)
+    for i_k in tl.static_range(NK):
+        acc += tl.load(x + (o_m[:, None] * NK + i_k) * V + o_v[None, :], mask=mask, other=0.)
+    tl.store(o + o_m[:, None] * V + o_v[None, :], acc.to(o.dtype.element_ty), mask=mask)
+
+
 # ---------------------------------------------------------------- launch plans
 
+# Past K = 256 the forward splits K over programs (a K-block program axis): each program
+# holds its [SPLIT_BK, BV] block of the state and the final state, and writes its partial
+# o = (its q columns) S + (A over its keys) v in fp32 (everything is linear in the split);
+# fused_chunk_ksum_kernel adds the partials. Up to 256 all of K stays in one program.
+# Blocks of 64: every gate combination at K = 512 builds without spills on sm_90 (128
+# spilled with gv and key decays, and in fp32).
+SPLIT_K = 256
+SPLIT_BK = 64
+KSUM_BM = 64  # the partial sum's rows a program: [64, 64] fp32, 16 registers a thread
+
+
 def config(plan) -> dict:
-    """Tiles: all of K in one block (the state is one register tile), V blocks of BV:
+    """Tiles: all of K in one block (the state is one register tile), or past K =
+    SPLIT_K blocks of SPLIT_BK over programs (NK = ceil(K / BK) of them), V blocks of BV:
     64 columns (an fp32 state [128, 64] is 32 registers a thread at 8 warps) where that
     builds without spills on sm_80 and sm_90 (`python -m parity.compiled --family
     fused_chunk`), else 32: with gv (its level products beside the state), with key
     decays the same for every key (g [B,T,H] or g_gamma alone: their broadcasts),
-    for fp32 (FMA products) and at K > 128. The intra-chunk products take K in blocks
-    of BKI (chunk.intra_bk)."""
+    for fp32 (FMA products) and for K blocks over 128. The intra-chunk products take K
+    in blocks of BKI (chunk.intra_bk)."""
     check_k(plan, "fused_chunk")
-    BK = max(16, next_pow2(plan.K))
+    BK = max(16, next_pow2(plan.K)) if plan.K <= SPLIT_K else SPLIT_BK
     per_key = plan.g == "key" or plan.gk or not key_gated(plan)
     wide = plan.dtype in ("bfloat16", "float16") and BK <= 128 and not plan.gv and per_key
     BV = min(64 if wide else 32, max(16, next_pow2(plan.V)))
@@ -282,18 +322,21 @@ def forward_launches(plan) -> list:
     """Reads q, k, v, [g, gk, gv, g_gamma, initial_state, cu_seqlens]; writes o
     [B,T,H,V] (q's dtype) and final_state [N,H,K,V] fp32: one launch, or with the
     sequences split across programs (fused_chunk_split.py) three, through split_F,
-    split_la, split_lb and split_S."""
+    split_la, split_lb and split_S, or with K split (past SPLIT_K) two, through o_part
+    [B,T,H,NK,V] fp32."""
     c = config(plan)
     B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
-    NS = split.segments(plan, c["NV"] * N * H, BT)
+    NK = -(-K // c["BK"])
+    # not both splits: the sequence split's combine holds all of K of a state
+    NS = split.segments(plan, c["NV"] * N * H, BT) if NK == 1 else 1
     levels = BT.bit_length() - 1
     chunks = T // BT + N if plan.varlen else B * -(-T // BT)
     # per chunk and V block: A (levels + diagonal, [BT,K]x[K,BT] each), A v (gv: per
-    # level too), q S and k^T v ([BT,K]x[K,BV])
+    # level too; per K block), q S and k^T v ([BT,K]x[K,BV])
     a_products = levels + 1 if key_gated(plan) else 1
     av_products = levels + 1 if plan.gv else 1
     per_chunk = 2 * BT * H * c["NV"]
-    flops = per_chunk * chunks * (BT * K * a_products + BT * c["BV"] * av_products
+    flops = per_chunk * chunks * (BT * K * a_products + NK * BT * c["BV"] * av_products
                                   + 2 * K * c["BV"])
     state = N * H * K * V * 4
     reads = sum(plan.nbytes(n) for n in plan.inputs())
@@ -311,6 +354,14 @@ def forward_launches(plan) -> list:
 
     final = Out("final_state", (N, H, K, V))
     o = dict(o=Out("o", (B, T, H, V), "like:q"), ht=final)
+    if NK > 1:  # v and gv read per K block
+        part = Out("o_part", (B, T, H, NK, V))
+        vside = sum(plan.nbytes(n) for n in plan.inputs() if n in ("v", "gv"))
+        return [launch(NK, dict(o=part, ht=final),
+                       reads + (NK - 1) * vside + part.nbytes(plan) + state, flops,
+                       h0="initial_state" if plan.initial_state else None,
+                       USE_H0=plan.initial_state, NS=1, LOCAL=False),
+                _ksum_launch(plan, NK)]
     if NS == 1:
         return [launch(1, o, reads + plan.nbytes("o") + state, flops,
                        h0="initial_state" if plan.initial_state else None,
@@ -329,6 +380,17 @@ def forward_launches(plan) -> list:
                     + plan.nbytes("o") + state, flops,
                     h0="split_S", USE_H0=True, NS=NS, LOCAL=False)
     return [local, split.combine_launch(plan, NS), output]
+
+
+def _ksum_launch(plan, NK: int) -> Launch:
+    """Reads o_part [B,T,H,NK,V] fp32; writes o [B,T,H,V] (q's dtype)."""
+    M, V = plan.B * plan.T * plan.H, plan.V
+    bv = min(64, max(16, next_pow2(V)))
+    return Launch(fused_chunk_ksum_kernel, grid=(-(-M // KSUM_BM) * -(-V // bv),),
+                  inputs=dict(x="o_part"), scalars=dict(M=M),
+                  outputs=dict(o=Out("o", (plan.B, plan.T, plan.H, V), "like:q")),
+                  constexprs=dict(V=V, NK=NK, BM=KSUM_BM, BV=bv), num_warps=4, num_stages=1,
+                  bytes=int(M * V * 4 * NK + plan.nbytes("o")))
 
 
 def kept(plan) -> tuple:

@@ -47,7 +47,11 @@ def variants():
         out.append((f"K{K}-V{V}", plan(K=K, V=V, g="head", gv=True, h0=True)))
     # the widest heads (dispatch.HEAD_DIMS; families that refuse them are skipped)
     out += [("K512-V512-key-bf16", plan(K=512, V=512, g="key", dtype="bfloat16")),
-            ("K512-V512-all-bf16", plan(K=512, V=512, dtype="bfloat16", **everything))]
+            ("K512-V512-all-bf16", plan(K=512, V=512, dtype="bfloat16", **everything)),
+            # K not a power of two (300: not a multiple of 64, the last K block masked)
+            ("K320-V96-head-gv-bf16", plan(K=320, V=96, g="head", gv=True, h0=True,
+                                           reverse=True, dtype="bfloat16")),
+            ("K300-V96-key-gk-fp32", plan(K=300, V=96, g="key", gk=True, varlen=True))]
     return out
 
 
