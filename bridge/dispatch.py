@@ -19,13 +19,14 @@ from .contract import INPUTS, TOKENS, Plan
 MODES = ("auto", "chunk", "fused_recurrent", "fused_chunk")
 # the families that only the Triton platform runs ("chunk" is every platform's chunked form)
 TRITON_ONLY = ("fused_recurrent", "fused_chunk")
-# The largest head dims (K, V) each Triton family takes (None: no limit). chunk and
+# The largest head dims (K, V) each Triton family takes. chunk and
 # fused_recurrent block K and V over loops and programs; up to 512 (fla's range) they are
 # tested against the oracle and build without register spills (`python -m parity.compiled
 # --report`). fused_chunk takes K up to 512 too (all of K in one block up to 256, past it
-# K blocks over programs; its backward there is the chunk family's) and any V. The torch,
+# K blocks over programs; its backward there is the chunk family's) and V up to 512 (past
+# 128 its backward is the chunk family's). The torch,
 # XLA and Pallas platforms take any head dims.
-HEAD_DIMS = {"chunk": (512, 512), "fused_recurrent": (512, 512), "fused_chunk": (512, None)}
+HEAD_DIMS = {"chunk": (512, 512), "fused_recurrent": (512, 512), "fused_chunk": (512, 512)}
 
 
 class Call(NamedTuple):
@@ -65,7 +66,7 @@ def refusal(plan: Plan, kernel: str) -> str | None:
     max_k, max_v = HEAD_DIMS[kernel]
     if plan.K > max_k:
         return f"q: mode='{kernel}' supports K <= {max_k}, got K={plan.K}"
-    if max_v is not None and plan.V > max_v:
+    if plan.V > max_v:
         return f"v: mode='{kernel}' supports V <= {max_v}, got V={plan.V}"
     return None
 

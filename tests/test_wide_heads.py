@@ -97,12 +97,14 @@ def test_named_triton_paths_refuse_before_any_kernel(platform, mode, want):
 
 
 def test_fused_chunk_limit_is_512():
-    """fused_chunk takes K up to 512 as the others do (past 256 through its K split), and
-    any V; 513 is refused."""
+    """fused_chunk takes K and V up to 512 as the others do (K past 256 through its K
+    split); 513 is refused (V: its backward there would be the chunk family's, which
+    refuses it)."""
     for K in (257, 300, 512):
         assert dispatch.refusal(contract.check(**_arrays(K, 8)), "fused_chunk") is None
     assert dispatch.refusal(contract.check(**_arrays(513, 8)), "fused_chunk") is not None
-    assert dispatch.refusal(contract.check(**_arrays(512, 4096)), "fused_chunk") is None
+    assert dispatch.refusal(contract.check(**_arrays(512, 512)), "fused_chunk") is None
+    assert dispatch.refusal(contract.check(**_arrays(8, 513)), "fused_chunk").startswith("v:")
 
 
 def test_auto_family_skips_one_that_refuses(monkeypatch):

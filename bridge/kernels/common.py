@@ -39,7 +39,7 @@ def next_pow2(n: int) -> int:
 def check_k(plan, mode: str) -> None:
     """A ValueError naming q or v when family `mode` refuses the plan's head dims: the
     limits are bridge.dispatch.HEAD_DIMS (K, V <= 512 for chunk and fused_recurrent, which
-    block both over loops and programs; K <= 512 and any V for fused_chunk), so that
+    block both over loops and programs; K, V <= 512 for fused_chunk), so that
     dispatch's "auto" never picks a family that refuses the call."""
     why = refusal(plan, mode)
     if why is not None:
