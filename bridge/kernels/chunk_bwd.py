@@ -31,7 +31,7 @@ import triton.language as tl
 from .chunk_scan import (decay_pieces, levels_into, scan, scan_matrix, scan_v, split_pieces,
                          sum_rows, to_chunk_end)
 from .common import (LOG2E, block_rows, decay_k, decay_v, first_slot, head_gamma, load_rows,
-                     seq_bounds, slot_chunk)
+                     seq_bounds, slot_chunk, state_dot)
 
 
 @triton.jit
@@ -135,7 +135,7 @@ def chunk_dv_kernel(
                                     g, gk, tab, BT, LEVELS, G_MODE, USE_GK, GAMMA_MODE)
             b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :],
                            mask=mask_k[:, None] & mask_v[None, :], other=0.)
-            acc += tl.dot(b_k, b_dh.to(op), input_precision=DOT_PREC)
+            acc += state_dot(b_k, b_dh, None, DOT_PREC)
         tl.store(dv + (rows_c[:, None] * H + i_h) * V + o_v[None, :],
                  acc.to(dv.dtype.element_ty), mask=mask_c[:, None] & mask_v[None, :])
     else:  # value decays: dv's pairs by levels too, and the value-gate gradient db
@@ -161,7 +161,7 @@ def chunk_dv_kernel(
                 b_hdh *= tl.exp2(tl.sum(a, 0) * LOG2E)[:, None]
                 b_k = to_chunk_end(b_k, a, g, gk, tab, BT, LEVELS, G_MODE, USE_GK, GAMMA_MODE)
             start += tl.sum(b_hdh, 0)
-            acc_s += tl.dot(b_k, b_dh.to(op), input_precision=DOT_PREC)
+            acc_s += state_dot(b_k, b_dh, None, DOT_PREC)
         acc_s *= tl.exp2(scan(tab, LEVELS + 1, b0, b1, b2, BT, PV) * LOG2E)
         # inside the chunk: A^T (by transposed addresses) times do, by levels
         b_at = tl.load(A + (rows_c[None, :] * H + i_h) * BT + o_t[:, None], mask=mask_c[None, :],
@@ -267,7 +267,7 @@ def chunk_dqk_kernel(
                 * LOG2E)).to(op)
         b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :],
                       mask=mask_k[:, None] & mask_v[None, :], other=0.)
-        b_dq += tl.dot(b_do, tl.trans(b_h.to(op)), input_precision=DOT_PREC)
+        b_dq += state_dot(b_do, b_h, None, DOT_PREC, TRANS=True)
     if KGATE:
         b_dq *= tl.exp2(scan(tab, LEVELS, a0, a1, a2, BT, PIECES) * LOG2E)
     if GAMMA_MODE > 0:
@@ -325,7 +325,7 @@ def chunk_dqk_kernel(
                                                BT, BV), 0) * LOG2E)[None, :]
         if KGATE:
             start += tl.sum(b_hdh, 1)
-        b_dks += tl.dot(b_v, tl.trans(b_dh.to(op)), input_precision=DOT_PREC)
+        b_dks += state_dot(b_v, b_dh, None, DOT_PREC, TRANS=True)
     if KGATE:
         b_dks *= tl.exp2(scan(tab, LEVELS + 1, a0, a1, a2, BT, PIECES) * LOG2E)
         start *= e_c

@@ -16,7 +16,8 @@ unflattened in the kernel, so no axis meets CUDA's 65,535 limit on y and z):
   chunk_output_kernel  parallel over (chunk, head, V block):
                        o = scale (q gated) h + A v (gv: by levels, see below).
 Every tl.dot takes operands in the input dtype (bf16/fp16 -> tensor cores) with
-fp32 accumulation; fp32 inputs use DOT_PREC ("ieee" unless tf32 was asked for).
+fp32 accumulation; fp32 inputs use DOT_PREC ("ieee" unless tf32 was asked for); for
+fp16 the state's products are tf32 (common.state_dot: a state passes fp16's range).
 Exponentials are exp2 of log2e-scaled sums (one MUFU.EX2 each).
 
 Precision with strong gates: every exponent is a sum of consecutive log decays,
@@ -36,7 +37,7 @@ import triton.language as tl
 
 from .common import (block_pos, decay_k_in, exact_dtype, exp_, first_slot, head_gamma,
                      level_mask, load_qk_tile, load_tile, op_dtype, seg_matrix, seg_sums,
-                     seq_bounds, slot_chunk, tile_ptrs)
+                     seq_bounds, slot_chunk, state_dot, tile_ptrs)
 
 
 @triton.jit
@@ -276,7 +277,7 @@ def chunk_output_kernel(
             b_q *= exp_(seg_sums(seg_matrix(o_t, 2 * BT, DT), a, DT))
         b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :],
                       mask=mask_k[:, None] & mask_v[None, :], other=0.)
-        acc = tl.dot(b_q.to(op), b_h.to(op), acc, input_precision=DOT_PREC)
+        acc = state_dot(b_q.to(op), b_h, acc, DOT_PREC)
     b_a = load_tile(A, row0, pos, i_h, o_t, mask_t, o_t < BT, H, BT).to(op)
     b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V)
     if not USE_GV:

@@ -270,6 +270,28 @@ def op_dtype(dt):
     return tl.float32 if dt == tl.float64 else dt
 
 
+@triton.jit
+def state_dot(x, s, acc, DOT_PREC: tl.constexpr, TRANS: tl.constexpr = False):
+    """acc + x @ s (x @ s^T with TRANS), fp32 [M, N], for a dot operand x [M, D] and a
+    state or state-gradient tile s (fp32, or x's dtype): s as x's dtype, but for fp16 x
+    both in fp32 at tf32, s rounded to nearest at tf32's 10 mantissa bits: fp16's
+    precision with fp32's range (a state grows with T past fp16's 65,504, which as an
+    fp16 operand would be inf). acc: fp32 [M, N] or None."""
+    if x.dtype == tl.float16:
+        # round half away from zero to 10 bits (as cvt.rna.tf32), so that the tensor
+        # cores, which read a tf32 operand's top 19 bits, do not truncate
+        bits = (s.to(tl.float32).to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000
+        y = bits.to(tl.float32, bitcast=True)
+        if TRANS:
+            y = tl.trans(y)
+        return tl.dot(x.to(tl.float32), y, acc, input_precision="tf32")
+    else:
+        y = s.to(x.dtype)
+        if TRANS:
+            y = tl.trans(y)
+        return tl.dot(x, y, acc, input_precision=DOT_PREC)
+
+
 @triton.constexpr_function
 def exact_dtype(g_dt, gk_dt, G_MODE, USE_GK, GAMMA_MODE):
     """The 16-bit dtype in which every key-side decay a = g + gk + gamma is exact (one

@@ -54,7 +54,8 @@ from . import chunk, fused_chunk_bwd
 from . import fused_chunk_split as split
 from .common import (block_pos, check_k, decay_k_in, exact_dtype, exp_, flags, gate_inputs,
                      head_gamma, key_gated, level_mask, load_qk_tile, load_tile, next_pow2,
-                     op_dtype, seg_matrix, seg_sums, seq_bounds, tile_ptrs, varlen_input)
+                     op_dtype, seg_matrix, seg_sums, seq_bounds, state_dot, tile_ptrs,
+                     varlen_input)
 
 BT = 32
 # Software pipelining of the chunk loop: Triton's pipeliner does not take a loop whose
@@ -220,7 +221,7 @@ def fused_chunk_fwd_kernel(
                 f, _ = _key_gate(seg_matrix(o_t, 2 * BT, DT), DT, g, gk, gamma, row0, pos,
                                  mask_t, i_h, o_k, mask_k, H, K, G_MODE, USE_GK, GAMMA_MODE)
                 b_q *= f
-            acc = tl.dot(b_q.to(op), b_s.to(op), input_precision=DOT_PREC)
+            acc = state_dot(b_q.to(op), b_s, None, DOT_PREC)
             b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V)
             if USE_GV:
                 b = decay_k_in(DV, gv, gv, 0., row0, pos, mask_t, i_h, o_v, mask_v, H, V, 0,

@@ -46,7 +46,7 @@ from ..launch import Launch, Out
 from . import chunk
 from .common import (block_pos, decay_k_in, exact_dtype, exp_, flags, head_gamma, level_mask,
                      load_tile, next_pow2, op_dtype, present, seg_matrix, seg_sums, seq_bounds,
-                     tile_ptrs, varlen_input)
+                     state_dot, tile_ptrs, varlen_input)
 
 
 @triton.jit
@@ -137,7 +137,7 @@ def fused_chunk_bwd_dq_kernel(
         b_do = load_tile(do, row0, pos, i_h, o_v, mask_t, mask_v, H, V).to(op)
         b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V).to(op)
         b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K)
-        acc = tl.dot(b_do, tl.trans(b_s.to(op)), input_precision=DOT_PREC)
+        acc = state_dot(b_do, b_s, None, DOT_PREC, TRANS=True)
         if KGATE:
             acc *= _factor(a, o_t, 2 * BT, DT)
         d_a = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
@@ -205,18 +205,17 @@ def fused_chunk_bwd_dkv_kernel(
         b_do = load_tile(do, row0, pos, i_h, o_v, mask_t, mask_v, H, V).to(op)
         b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V).to(op)
         # through the chunk end's state gradient
-        dh_op = b_dh.to(op)
         if DK:
-            acc_k = tl.dot(b_v, tl.trans(dh_op), input_precision=DOT_PREC)
+            acc_k = state_dot(b_v, b_dh, None, DOT_PREC, TRANS=True)
             if KGATE:
                 acc_k *= _factor(a, o_t, BT, DT)
             d_at = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)  # dA^T [s, t]
         if DV:
             if KGATE:
-                acc_v = tl.dot((b_k.to(tl.float32) * _factor(a, o_t, BT, DT)).to(op), dh_op,
-                               input_precision=DOT_PREC)
+                acc_v = state_dot((b_k.to(tl.float32) * _factor(a, o_t, BT, DT)).to(op), b_dh,
+                                  None, DOT_PREC)
             else:
-                acc_v = tl.dot(b_k.to(op), dh_op, input_precision=DOT_PREC)
+                acc_v = state_dot(b_k.to(op), b_dh, None, DOT_PREC)
             # the step's own term: A's diagonal, ungated
             diag = tl.sum(b_q.to(tl.float32) * b_k.to(tl.float32), 1) * scale
             acc_v += diag[:, None] * b_do.to(tl.float32)
