@@ -112,7 +112,8 @@ def jax_child(name, P, seed, out_path):
 
 
 def run_jax(name, P, seed, out_path):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={P}",
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={P}"
+    env = dict(os.environ, XLA_FLAGS=flags.strip(),
                JAX_PLATFORMS="cpu")
     code = (f"from parity.multi_device import jax_child; "
             f"jax_child({name!r}, {P}, {seed}, {out_path!r})")

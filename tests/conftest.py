@@ -14,16 +14,18 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # OpenMP pool (a thread per core in every worker) only spins against the other workers.
 # Set before anything imports torch.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no compile-worker pool either
 
-# The tests' arrays are tiny: XLA's CPU compiler spends most of a JAX test in LLVM's
-# optimization passes. Level 0 without LLVM's expensive passes keeps the semantics (no
-# fast-math) and compiles ~3x faster;
+# The tests' arrays are tiny: XLA's CPU compiler spends most of a JAX test compiling.
+# Level 0, without LLVM's expensive passes and with the loop emitters in place of the
+# fusion emitters, keeps the semantics (no fast-math) and compiles several times faster;
 # GLA_XLA_DEFAULT=1 keeps XLA's defaults (CI's slow step runs the JAX precision files so,
 # as users' code compiles). Benchmarks never run under this file.
 _FLAGS = os.environ.get("XLA_FLAGS", "")
 if "xla_backend_optimization_level" not in _FLAGS and not os.environ.get("GLA_XLA_DEFAULT"):
     os.environ["XLA_FLAGS"] = (_FLAGS + " --xla_backend_optimization_level=0"
-                               " --xla_llvm_disable_expensive_passes=true").strip()
+                               " --xla_llvm_disable_expensive_passes=true"
+                               " --xla_cpu_use_fusion_emitters=false").strip()
 
 if importlib.util.find_spec("triton") and importlib.util.find_spec("torch"):
     import bridge.kernels  # noqa: F401

@@ -21,11 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def results():
-    # XLA's CPU backend at -O0: about half the compile time, and what is checked
-    # here is the multi-device logic (the single-device suite runs XLA's defaults)
-    flags = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-             "--xla_llvm_disable_expensive_passes=true")
-    env = dict(os.environ, XLA_FLAGS=flags,
+    # the test session's XLA flags (tests/conftest.py) with 8 host devices
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    env = dict(os.environ, XLA_FLAGS=flags.strip(),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, str(ROOT / "tests" / "multidevice_cases.py")],
