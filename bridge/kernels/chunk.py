@@ -325,8 +325,9 @@ def backward_launches(plan, use_dht: bool, kept: tuple = ()) -> list:
     # the scan table (chunk_bwd.scan_matrix): in q's dtype for 16-bit inputs, else
     # bf16 (its products run on tensor cores: fp32 values go in as 3 exact pieces)
     n_scan = 2 * LEVELS + 3
-    tuned_da = knobs(plan, chunk_dA_kernel,
-                     BV=min(c["BV"], GV_BV) if plan.gv and plan.dtype in DV_BV else c["BV"])
+    # fp32 with gv past WIDE_K: V blocks of 16 (dv's products over K blocks spilled at 32)
+    da_bv = GV_BV if plan.dtype in DV_BV else 16 if K > WIDE_K else c["BV"]
+    tuned_da = knobs(plan, chunk_dA_kernel, BV=min(c["BV"], da_bv) if plan.gv else c["BV"])
     launches.append(_launch(
         plan, chunk_dA_kernel, (ns, H), dict(v="v", **present(plan, "gv"), do="do", **cu),
         dict(T=T, N=N), dict(dA=Out("dA", (B, T, H, BT)),
