@@ -39,6 +39,16 @@ def test_problems_name_the_triton_arch_kernel_and_variant():
         "triton 3.6.0 sm_90 fused_recurrent_fwd_kernel [gqa, fwd]: spills 8 B (at most 0)",
         "triton 3.6.0 sm_90 fused_recurrent_fwd_kernel [gk, fwd]: registers None (at most 255)",
     ]
+    # wide heads: no spills, on sm_80 too but in the chunked family; K256-V256 is not wide
+    wide = [row("chunk_state_kernel", "K320-V96-head-gv-bf16", spill_bytes=8),
+            row("chunk_state_kernel", "K512-V512-all-bf16", arch=80, spill_bytes=64),
+            row("chunk_state_kernel", "K256-V256", spill_bytes=8),
+            row("fused_recurrent_fwd_kernel", "K300-V96-key-gk-fp32", arch=80, spill_bytes=8)]
+    assert tm.problems(clean + wide, "3.7.1", kernels=kernels) == [
+        "triton 3.7.1 sm_90 chunk_state_kernel [K320-V96-head-gv-bf16, fwd]: spills 8 B "
+        "(at most 0)",
+        "triton 3.7.1 sm_80 fused_recurrent_fwd_kernel [K300-V96-key-gk-fp32, fwd]: spills 8 B "
+        "(at most 0)"]
     # a kernel no row built is named too
     assert tm.problems([row("chunk_state_kernel")], "3.7.1", archs=(90,), kernels=kernels) == [
         "triton 3.7.1 sm_90 fused_recurrent_fwd_kernel: no variant built"]

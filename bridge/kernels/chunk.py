@@ -75,15 +75,16 @@ def stages(name: str, plan) -> int:
 def intra_bk(plan) -> int:
     """K block of chunk_intra_kernel: the largest with which its level products
     build without spills on sm_80 and sm_90 (fp32 products are FMA loops) and
-    keep at most 8 bar.sync in a loop body (32 in 2 stages: 9)."""
-    return 16 if plan.dtype == "float32" else 32
+    keep at most 8 bar.sync in a loop body (32 in 2 stages: 9); 16 past WIDE_K."""
+    return 16 if plan.dtype == "float32" or plan.K > WIDE_K else 32
 
 
 DV_BV = {"bfloat16": 128, "float16": 128}  # one V block at V <= 128 (no scans redone)
 GV_BV = 32  # dA's and dv's V block with gv in 16 bits: its decay tiles beside the accumulators
 DQK_BK = 32  # [BT, 32] tiles: dq, dk, one level's factors and products fit in registers
-DQK_BK_WIDE = 16  # fp32: its FMA products hold whole operand rows per thread
+DQK_BK_WIDE = 16  # fp32 (FMA products hold whole operand rows per thread), K > WIDE_K
 DQK_BV = 32  # V blocks of the state products: fewer loaded registers beside the accumulators
+WIDE_K = 256  # past it narrower blocks (`config`, `intra_bk`, `output_bv`, dq/dk's): no spills
 LEVELS = BT.bit_length() - 1  # pairs inside a chunk split by their highest differing bit
 
 
@@ -112,9 +113,11 @@ def knobs(plan, kernel, **tiles) -> dict:
 
 def config(plan) -> dict:
     """Tiles: K and V blocks of up to 64 (32 along V for fp32, whose products are
-    FMA loops: ptxas spilled tens of KB on fully unrolled 64x64x64 fp32 products)."""
+    FMA loops: ptxas spilled tens of KB on fully unrolled 64x64x64 fp32 products);
+    K blocks of 32 past WIDE_K (the gate pre-pass's, the output's and dv's K loops
+    spilled at 64 there on sm_80)."""
     check_k(plan, "chunk")
-    BK = min(64, max(16, next_pow2(plan.K)))
+    BK = min(32 if plan.K > WIDE_K else 64, max(16, next_pow2(plan.K)))
     BV = min(32 if plan.dtype == "float32" else 64, max(16, next_pow2(plan.V)))
     return dict(BT=BT, BC=BC, BK=BK, BV=BV, NK=-(-plan.K // BK), NV=-(-plan.V // BV))
 
@@ -198,6 +201,8 @@ def state_launches(plan, backward: bool, use_s_in: bool, store_out: bool) -> lis
     ends + d(initial_state) (backward)."""
     c = config(plan)
     B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
+    if K > WIDE_K:  # the state pass keeps K blocks of 64 (32 spilled there on sm_80)
+        c = dict(c, BK=64, NK=-(-K // 64))
     ns, isz = slots(plan), _size(plan)
     ssz = _state_size(plan)
     pre_k = plan.g != "none" or plan.gk
@@ -246,12 +251,12 @@ def intra_launch(plan, fp32: bool = False) -> Launch:
 
 def output_bv(plan) -> int:
     """V block of chunk_output_kernel: all of V up to 128 in one block, so the
-    key-side decay sums run once per chunk; 32 with gv's level products, 16 for
-    fp32 (FMA products): the largest that build without spills."""
+    key-side decay sums run once per chunk; 32 with gv's level products (16 past
+    WIDE_K), 16 for fp32 (FMA products): the largest that build without spills."""
     if plan.dtype == "float32":
         return 16
     if plan.gv:
-        return 32
+        return 16 if plan.K > WIDE_K else 32
     return min(128, max(16, next_pow2(plan.V)))
 
 
@@ -320,8 +325,9 @@ def backward_launches(plan, use_dht: bool, kept: tuple = ()) -> list:
     # the scan table (chunk_bwd.scan_matrix): in q's dtype for 16-bit inputs, else
     # bf16 (its products run on tensor cores: fp32 values go in as 3 exact pieces)
     n_scan = 2 * LEVELS + 3
-    tuned_da = knobs(plan, chunk_dA_kernel,
-                     BV=min(c["BV"], GV_BV) if plan.gv and plan.dtype in DV_BV else c["BV"])
+    # fp32 with gv past WIDE_K: V blocks of 16 (dv's products over K blocks spilled at 32)
+    da_bv = GV_BV if plan.dtype in DV_BV else 16 if K > WIDE_K else c["BV"]
+    tuned_da = knobs(plan, chunk_dA_kernel, BV=min(c["BV"], da_bv) if plan.gv else c["BV"])
     launches.append(_launch(
         plan, chunk_dA_kernel, (ns, H), dict(v="v", **present(plan, "gv"), do="do", **cu),
         dict(T=T, N=N), dict(dA=Out("dA", (B, T, H, BT)),
@@ -344,8 +350,10 @@ def backward_launches(plan, use_dht: bool, kept: tuple = ()) -> list:
         flops=2 * ns * BT * H * V * (BT + K),
         nbytes=(tokens * (plan.Hk * K + H * V * 2) * isz + tokens * H * BT * 4
                 + ns * H * K * V * ssz), tuned=tuned_dv))
-    tuned_dqk = knobs(plan, chunk_dqk_kernel, BV=min(c["BV"], DQK_BV), BK=min(
-        c["BK"], DQK_BK_WIDE if plan.dtype in ("float32", "float64") else DQK_BK))
+    wide = K > WIDE_K or plan.dtype in ("float32", "float64")
+    tuned_dqk = knobs(plan, chunk_dqk_kernel,
+                      BV=min(c["BV"], DQK_BV // 2 if K > WIDE_K else DQK_BV),
+                      BK=min(c["BK"], DQK_BK_WIDE if wide else DQK_BK))
     nk = -(-K // tuned_dqk["BK"])
     launches.append(_launch(
         plan, chunk_dqk_kernel, (ns, nk, H),

@@ -290,8 +290,9 @@ def fused_chunk_ksum_kernel(x, M, o, V: tl.constexpr, NK: tl.constexpr, BM: tl.c
 # holds its [SPLIT_BK, BV] block of the state and the final state, and writes its partial
 # o = (its q columns) S + (A over its keys) v in fp32 (everything is linear in the split);
 # fused_chunk_ksum_kernel adds the partials. Up to 256 all of K stays in one program.
-# Blocks of 64: every gate combination at K = 512 builds without spills on sm_90 (128
-# spilled with gv and key decays, and in fp32).
+# Blocks of 64 (128 spilled with gv and key decays, and in fp32), 32 with gv but in bf16; V
+# blocks narrower than below SPLIT_K beside a K block's decays (`config`): every gate
+# combination and dtype at K = 320 and 512 builds without spills on sm_80 and sm_90.
 SPLIT_K = 256
 SPLIT_BK = 64
 KSUM_BM = 64  # the partial sum's rows a program: [64, 64] fp32, 16 registers a thread
@@ -304,13 +305,19 @@ def config(plan) -> dict:
     builds without spills on sm_80 and sm_90 (`python -m parity.compiled --family
     fused_chunk`), else 32: with gv (its level products beside the state), with key
     decays the same for every key (g [B,T,H] or g_gamma alone: their broadcasts),
-    for fp32 (FMA products) and for K blocks over 128. The intra-chunk products take K
-    in blocks of BKI (chunk.intra_bk)."""
+    for fp32 (FMA products) and for K blocks over 128. With K split, 64 columns only
+    for 16-bit keys without decays, 16 for 16-bit with gv, and with gv K blocks of
+    32 but in bf16. The intra-chunk products take K in blocks of BKI
+    (chunk.intra_bk)."""
     check_k(plan, "fused_chunk")
-    BK = max(16, next_pow2(plan.K)) if plan.K <= SPLIT_K else SPLIT_BK
+    split, half = plan.K > SPLIT_K, plan.dtype in ("bfloat16", "float16")
+    # fp32 state products (fp32's, fp16's at tf32) beside gv's: K blocks of 32 when split
+    BK = (max(16, next_pow2(plan.K)) if not split
+          else SPLIT_BK if plan.dtype == "bfloat16" or not plan.gv else SPLIT_BK // 2)
     per_key = plan.g == "key" or plan.gk or not key_gated(plan)
-    wide = plan.dtype in ("bfloat16", "float16") and BK <= 128 and not plan.gv and per_key
-    BV = min(64 if wide else 32, max(16, next_pow2(plan.V)))
+    wide = half and BK <= 128 and not plan.gv and (not key_gated(plan) if split else per_key)
+    BV = min(16 if split and half and plan.gv else 64 if wide else 32,
+             max(16, next_pow2(plan.V)))
     return dict(BK=BK, BKI=min(BK, chunk.intra_bk(plan)), BV=BV, NV=-(-plan.V // BV))
 
 
