@@ -102,7 +102,7 @@ def chunk_dv_kernel(
     V <= 128 for 16-bit inputs); with gv also db [B,T,H,V] fp32, the pairs
     inside the chunk by levels with the value decays' factors (levels_into); db's reverse
     row sums take the fp32 summands as bf16 pieces whatever the inputs' dtype
-    (chunk_scan.sum_rows)."""
+    (chunk_scan.sum_rows). fp16: the products with dh and A tf32 (common.op_dot)."""
     i_s, i_v, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (H // HK)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
@@ -224,7 +224,8 @@ def chunk_dqk_kernel(
     whose difference is the (t - s)-weighted pair term, so fp32 error would grow
     with the chunk length. It is the derivative of the chunk's own decay factors
     instead: (t - s) A_ts dA_ts inside the chunk, (p + 1) q.dq and (n - 1 - p) k.dk
-    through the states, n dh_end.(h decayed over the chunk): no cancelling terms."""
+    through the states, n dh_end.(h decayed over the chunk): no cancelling terms. fp16:
+    the products with h, dh and dA tf32 (common.op_dot)."""
     scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     i_s, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (H // HK)

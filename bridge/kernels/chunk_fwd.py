@@ -247,7 +247,8 @@ def chunk_output_kernel(
     split at the boundary of its level (chunk_intra_kernel's levels): per level,
     o += X (A on the level's pairs) (v X), X = e^(seg_sums of gv); and the
     inter-chunk term is gated by the inclusive sums. PRIME (the backward's gv
-    pass): o'_t * do_t in fp32 instead, o' leaving out the step's own token."""
+    pass): o'_t * do_t in fp32 instead, o' leaving out the step's own token. fp16: the
+    products with h and A tf32 (common.op_dot)."""
     scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0)
