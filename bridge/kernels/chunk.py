@@ -16,7 +16,7 @@ Buffers the backward reads from these launches:
   h, dh    [slots,H,K,V]: the state at every chunk start / its gradient at every
            chunk end (bf16 for bf16 inputs, fp32 otherwise);
   A        [B,T,H,BT]: scale q k^T with the decays, 0 above the diagonal; in q's
-           dtype for bf16/fp16 inputs unless intra_launch(fp32=True);
+           dtype for bf16 inputs unless intra_launch(fp32=True), else fp32;
   odo      [B,T,H,V] fp32 (output_launch(prime=True), gv only).
 
 Config (the same for the interpreter, torch and JAX launches, so that every
@@ -143,7 +143,8 @@ def _size(plan) -> int:
 
 
 def _a_dtype(plan, fp32: bool) -> str:
-    return "like:q" if plan.dtype in ("bfloat16", "float16") and not fp32 else "float32"
+    """A's storage: bf16 for bf16 inputs, else fp32 (fp16's pair products pass 65,504)."""
+    return "like:q" if plan.dtype == "bfloat16" and not fp32 else "float32"
 
 
 def _state_size(plan) -> int:
@@ -232,7 +233,7 @@ def state_launches(plan, backward: bool, use_s_in: bool, store_out: bool) -> lis
 
 def intra_launch(plan, fp32: bool = False) -> Launch:
     """A [B,T,H,BT]: fp32 when `fp32` (a gradient reads its values), else in
-    q's dtype for bf16/fp16 inputs (its consumers only take it as a dot operand)."""
+    q's dtype for bf16 inputs (its consumers only take it as a dot operand)."""
     c = config(plan)
     B, T, H, K = plan.B, plan.T, plan.H, plan.K
     ns, levels = slots(plan), BT.bit_length() - 1
@@ -289,8 +290,8 @@ def kept(plan) -> tuple:
     """The forward's buffers that autograd keeps for the backward, which then
     reuses them instead of recomputing (the plan choice GLA_BRIDGE_CHUNK_KEEP):
       "A" (default): A [B,T,H,BT] in q's dtype, 2 bytes a token, head and chunk
-          position for bf16/fp16 (BT/K times q's size: 0.5x at K = 128), 4 for
-          fp32; saves the backward's intra-chunk launch (its reads of q and k and
+          position for bf16 (BT/K times q's size: 0.5x at K = 128), 4 for
+          fp16 and fp32; saves the backward's intra-chunk launch (its reads of q and k and
           its write of A). Not with g_gamma, whose gradient needs A in fp32.
       "inputs": nothing beyond the inputs (and the final state, as before):
           the backward recomputes A.

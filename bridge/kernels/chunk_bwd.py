@@ -31,7 +31,7 @@ import triton.language as tl
 from .chunk_scan import (decay_pieces, levels_into, scan, scan_matrix, scan_v, split_pieces,
                          sum_rows, to_chunk_end)
 from .common import (LOG2E, block_rows, decay_k, decay_v, first_slot, head_gamma, load_rows,
-                     seq_bounds, slot_chunk, state_dot)
+                     seq_bounds, slot_chunk, op_dot, wide_dtype)
 
 
 @triton.jit
@@ -102,7 +102,7 @@ def chunk_dv_kernel(
     V <= 128 for 16-bit inputs); with gv also db [B,T,H,V] fp32, the pairs
     inside the chunk by levels with the value decays' factors (levels_into); db's reverse
     row sums take the fp32 summands as bf16 pieces whatever the inputs' dtype
-    (chunk_scan.sum_rows)."""
+    (chunk_scan.sum_rows). fp16: the products with dh and A tf32 (common.op_dot)."""
     i_s, i_v, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (H // HK)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
@@ -123,8 +123,8 @@ def chunk_dv_kernel(
         b_at = tl.load(A + (rows_c[None, :] * H + i_h) * BT + o_t[:, None], mask=mask_c[None, :],
                        other=0.)
         b_do = load_rows(do, rows_c, i_h, o_v, mask_c, mask_v, H, V)
-        acc = tl.dot(tl.where(o_t[:, None] <= o_t[None, :], b_at, 0.).to(op), b_do,
-                     input_precision=DOT_PREC)
+        acc = op_dot(tl.where(o_t[:, None] <= o_t[None, :], b_at, 0.).to(wide_dtype(op)), b_do,
+                     None, op, DOT_PREC)
         for i_k in range(0, tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             mask_k = o_k < K
@@ -135,7 +135,7 @@ def chunk_dv_kernel(
                                     g, gk, tab, BT, LEVELS, G_MODE, USE_GK, GAMMA_MODE)
             b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :],
                            mask=mask_k[:, None] & mask_v[None, :], other=0.)
-            acc += state_dot(b_k, b_dh, None, DOT_PREC)
+            acc += op_dot(b_k, b_dh, None, b_k.dtype, DOT_PREC)
         tl.store(dv + (rows_c[:, None] * H + i_h) * V + o_v[None, :],
                  acc.to(dv.dtype.element_ty), mask=mask_c[:, None] & mask_v[None, :])
     else:  # value decays: dv's pairs by levels too, and the value-gate gradient db
@@ -161,14 +161,14 @@ def chunk_dv_kernel(
                 b_hdh *= tl.exp2(tl.sum(a, 0) * LOG2E)[:, None]
                 b_k = to_chunk_end(b_k, a, g, gk, tab, BT, LEVELS, G_MODE, USE_GK, GAMMA_MODE)
             start += tl.sum(b_hdh, 0)
-            acc_s += state_dot(b_k, b_dh, None, DOT_PREC)
+            acc_s += op_dot(b_k, b_dh, None, b_k.dtype, DOT_PREC)
         acc_s *= tl.exp2(scan(tab, LEVELS + 1, b0, b1, b2, BT, PV) * LOG2E)
         # inside the chunk: A^T (by transposed addresses) times do, by levels
         b_at = tl.load(A + (rows_c[None, :] * H + i_h) * BT + o_t[:, None], mask=mask_c[None, :],
                        other=0.)
         b_do = load_rows(do, rows_c, i_h, o_v, mask_c, mask_v, H, V)
-        acc_i = levels_into(tl.zeros([BT, BV], dtype=tl.float32), b_at.to(op), b_do, tab, b0,
-                             b1, b2, BT, LEVELS, PV, False, True, DOT_PREC)
+        acc_i = levels_into(tl.zeros([BT, BV], dtype=tl.float32), b_at.to(wide_dtype(op)),
+                            b_do, tab, b0, b1, b2, BT, LEVELS, PV, False, True, DOT_PREC)
         a_self = tl.load(A + (rows_c * H + i_h) * BT + o_t, mask=mask_c, other=0.)
         m_o = mask_c[:, None] & mask_v[None, :]
         tl.store(dv + (rows_c[:, None] * H + i_h) * V + o_v[None, :],
@@ -224,7 +224,8 @@ def chunk_dqk_kernel(
     whose difference is the (t - s)-weighted pair term, so fp32 error would grow
     with the chunk length. It is the derivative of the chunk's own decay factors
     instead: (t - s) A_ts dA_ts inside the chunk, (p + 1) q.dq and (n - 1 - p) k.dk
-    through the states, n dh_end.(h decayed over the chunk): no cancelling terms."""
+    through the states, n dh_end.(h decayed over the chunk): no cancelling terms. fp16:
+    the products with h, dh and dA tf32 (common.op_dot)."""
     scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     i_s, i_k, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (H // HK)
@@ -267,7 +268,7 @@ def chunk_dqk_kernel(
                 * LOG2E)).to(op)
         b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :],
                       mask=mask_k[:, None] & mask_v[None, :], other=0.)
-        b_dq += state_dot(b_do, b_h, None, DOT_PREC, TRANS=True)
+        b_dq += op_dot(b_do, b_h, None, b_do.dtype, DOT_PREC, TRANS=True)
     if KGATE:
         b_dq *= tl.exp2(scan(tab, LEVELS, a0, a1, a2, BT, PIECES) * LOG2E)
     if GAMMA_MODE > 0:
@@ -285,8 +286,8 @@ def chunk_dqk_kernel(
                           other=0.)
             dgamma += tl.sum(tl.sum(dist.to(tl.float32) * b_a.to(tl.float32) * b_da, 1), 0)
     # (the level masks keep only pairs s < t: no mask here; dA's scale goes on after)
-    b_dq = levels_into(b_dq, b_da.to(op), b_k, tab, a0, a1, a2, BT, LEVELS, PIECES, True,
-                        KGATE, DOT_PREC) * scale
+    b_dq = levels_into(b_dq, b_da.to(wide_dtype(op)), b_k, tab, a0, a1, a2, BT, LEVELS, PIECES,
+                       True, KGATE, DOT_PREC) * scale
     p_self = dA + (rows * H + i_h) * BT + o_t  # dA[t, t]: the step's own q.k term
     d_self = tl.load(p_self, mask=mask_t, other=0.) * scale
     # the step's own term, with k loaded again: no fp32 copy of k kept live
@@ -299,8 +300,8 @@ def chunk_dqk_kernel(
     # transpose in registers, no dA tile live through the dq store)
     b_dat = tl.load(dA + (rows[None, :] * H + i_h) * BT + o_t[:, None], mask=mask_t[None, :],
                     other=0.)
-    b_dk = levels_into(tl.zeros([BT, BK], dtype=tl.float32), b_dat.to(op), b_q, tab, a0, a1,
-                        a2, BT, LEVELS, PIECES, False, KGATE, DOT_PREC) * scale
+    b_dk = levels_into(tl.zeros([BT, BK], dtype=tl.float32), b_dat.to(wide_dtype(op)), b_q, tab,
+                       a0, a1, a2, BT, LEVELS, PIECES, False, KGATE, DOT_PREC) * scale
     if KGATE:
         x -= b_k.to(tl.float32) * b_dk
 
@@ -325,7 +326,7 @@ def chunk_dqk_kernel(
                                                BT, BV), 0) * LOG2E)[None, :]
         if KGATE:
             start += tl.sum(b_hdh, 1)
-        b_dks += state_dot(b_v, b_dh, None, DOT_PREC, TRANS=True)
+        b_dks += op_dot(b_v, b_dh, None, b_v.dtype, DOT_PREC, TRANS=True)
     if KGATE:
         b_dks *= tl.exp2(scan(tab, LEVELS + 1, a0, a1, a2, BT, PIECES) * LOG2E)
         start *= e_c

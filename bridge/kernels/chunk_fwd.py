@@ -17,7 +17,8 @@ unflattened in the kernel, so no axis meets CUDA's 65,535 limit on y and z):
                        o = scale (q gated) h + A v (gv: by levels, see below).
 Every tl.dot takes operands in the input dtype (bf16/fp16 -> tensor cores) with
 fp32 accumulation; fp32 inputs use DOT_PREC ("ieee" unless tf32 was asked for); for
-fp16 the state's products are tf32 (common.state_dot: a state passes fp16's range).
+fp16 the products of the state and of A (stored fp32) are tf32 (common.op_dot: a state
+or a pair product passes fp16's range).
 Exponentials are exp2 of log2e-scaled sums (one MUFU.EX2 each).
 
 Precision with strong gates: every exponent is a sum of consecutive log decays,
@@ -37,7 +38,7 @@ import triton.language as tl
 
 from .common import (block_pos, decay_k_in, exact_dtype, exp_, first_slot, head_gamma,
                      level_mask, load_qk_tile, load_tile, op_dtype, seg_matrix, seg_sums,
-                     seq_bounds, slot_chunk, state_dot, tile_ptrs)
+                     seq_bounds, slot_chunk, op_dot, tile_ptrs, wide_dtype)
 
 
 @triton.jit
@@ -246,7 +247,8 @@ def chunk_output_kernel(
     split at the boundary of its level (chunk_intra_kernel's levels): per level,
     o += X (A on the level's pairs) (v X), X = e^(seg_sums of gv); and the
     inter-chunk term is gated by the inclusive sums. PRIME (the backward's gv
-    pass): o'_t * do_t in fp32 instead, o' leaving out the step's own token."""
+    pass): o'_t * do_t in fp32 instead, o' leaving out the step's own token. fp16: the
+    products with h and A tf32 (common.op_dot)."""
     scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0)
@@ -277,11 +279,12 @@ def chunk_output_kernel(
             b_q *= exp_(seg_sums(seg_matrix(o_t, 2 * BT, DT), a, DT))
         b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :],
                       mask=mask_k[:, None] & mask_v[None, :], other=0.)
-        acc = state_dot(b_q.to(op), b_h, acc, DOT_PREC)
-    b_a = load_tile(A, row0, pos, i_h, o_t, mask_t, o_t < BT, H, BT).to(op)
+        acc = op_dot(b_q.to(op), b_h, acc, op, DOT_PREC)
+    wop: tl.constexpr = wide_dtype(op)
+    b_a = load_tile(A, row0, pos, i_h, o_t, mask_t, o_t < BT, H, BT).to(wop)
     b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V)
     if not USE_GV:
-        acc = tl.dot(b_a, b_v.to(op), acc, input_precision=DOT_PREC)
+        acc = op_dot(b_a, b_v, acc, op, DOT_PREC)
     else:
         DV: tl.constexpr = exact_dtype(gv.dtype.element_ty, gv.dtype.element_ty, 0, True, 0)
         b = decay_k_in(DV, gv, gv, 0., row0, pos, mask_t, i_h, o_v, mask_v, H, V, 0, True, 0)
@@ -290,11 +293,11 @@ def chunk_output_kernel(
         for lvl in range(0, BT.bit_length() - 1):  # runtime, as chunk_intra_kernel's
             hl = (BT // 2) >> lvl
             x = exp_(seg_sums(seg_matrix(o_t, hl, DV), b, DV))
-            b_al = tl.where(level_mask(o_t, hl), b_a, 0.).to(op)
-            acc += x * tl.dot(b_al, (b_vf * x).to(op), input_precision=DOT_PREC)
+            b_al = tl.where(level_mask(o_t, hl), b_a, 0.).to(wop)
+            acc += x * op_dot(b_al, (b_vf * x).to(op), None, op, DOT_PREC)
         if not PRIME:
-            acc = tl.dot(tl.where(o_t[:, None] == o_t[None, :], b_a, 0.).to(op), b_v.to(op),
-                         acc, input_precision=DOT_PREC)
+            acc = op_dot(tl.where(o_t[:, None] == o_t[None, :], b_a, 0.).to(wop), b_v, acc, op,
+                         DOT_PREC)
     p_o = tile_ptrs(o, row0, pos, i_h, o_v, H, V)
     m_o = mask_t[:, None] & mask_v[None, :]
     if PRIME:

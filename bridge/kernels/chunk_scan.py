@@ -16,7 +16,7 @@ one exponential tile serving dq and dk.
 import triton
 import triton.language as tl
 
-from .common import LOG2E, decay_v
+from .common import LOG2E, decay_v, op_dot
 
 
 @triton.jit
@@ -97,8 +97,8 @@ def levels_into(acc, b_a, b_x, tab, a0, a1, a2, BT: tl.constexpr, LEVELS: tl.con
                  DOT_PREC: tl.constexpr):
     """acc [BT, D] plus the pairs inside the chunk, level by level: row t of
     acc gets sum_s b_a[t, s] b_x[s] times the decay between s and t, b_a [BT, BT]
-    dA (LATER: acc's rows are its rows, for dq) or dA^T (for dk); only the
-    pairs s < t count. With F the level's factor
+    dA (LATER: acc's rows are its rows, for dq) or dA^T (for dk), in common.wide_dtype
+    of b_x's dtype; only the pairs s < t count. With F the level's factor
     (chunk_scan_table_kernel), each level is one product, (b_a masked to the
     level's pairs) x (b_x F), scaled by F; the masked b_a picks the right rows
     of both. A runtime loop, so that one level's tiles are live at a time."""
@@ -124,10 +124,10 @@ def levels_into(acc, b_a, b_x, tab, a0, a1, a2, BT: tl.constexpr, LEVELS: tl.con
         y = f * b_x.to(tl.float32)
         y0 = y.to(b_x.dtype)
         if (b_x.dtype == tl.float32) | (b_x.dtype == tl.float64) | ONE:
-            p = tl.dot(b_w, y0, input_precision=DOT_PREC)
+            p = op_dot(b_w, y0, None, b_x.dtype, DOT_PREC)
         else:
-            p = tl.dot(b_w, (y - y0.to(tl.float32)).to(b_x.dtype), input_precision=DOT_PREC)
-            p = tl.dot(b_w, y0, p, input_precision=DOT_PREC)
+            p = op_dot(b_w, (y - y0.to(tl.float32)).to(b_x.dtype), None, b_x.dtype, DOT_PREC)
+            p = op_dot(b_w, y0, p, b_x.dtype, DOT_PREC)
         acc += f * p
     return acc
 

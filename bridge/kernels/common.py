@@ -270,26 +270,45 @@ def op_dtype(dt):
     return tl.float32 if dt == tl.float64 else dt
 
 
+@triton.constexpr_function
+def wide_dtype(op):
+    """The dtype in which a computed fp32 tile (a pair product q.k or do.v, a state) enters
+    op_dot with operands op: op, but float32 for float16 (op_dot rounds it there)."""
+    return tl.float32 if op == tl.float16 else op
+
+
 @triton.jit
-def state_dot(x, s, acc, DOT_PREC: tl.constexpr, TRANS: tl.constexpr = False):
-    """acc + x @ s (x @ s^T with TRANS), fp32 [M, N], for a dot operand x [M, D] and a
-    state or state-gradient tile s (fp32, or x's dtype): s as x's dtype, but for fp16 x
-    both in fp32 at tf32, s rounded to nearest at tf32's 10 mantissa bits: fp16's
-    precision with fp32's range (a state grows with T past fp16's 65,504, which as an
-    fp16 operand would be inf). acc: fp32 [M, N] or None."""
-    if x.dtype == tl.float16:
-        # round half away from zero to 10 bits (as cvt.rna.tf32), so that the tensor
-        # cores, which read a tf32 operand's top 19 bits, do not truncate
-        bits = (s.to(tl.float32).to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000
-        y = bits.to(tl.float32, bitcast=True)
+def op_dot(x, y, acc, OP: tl.constexpr, DOT_PREC: tl.constexpr, TRANS: tl.constexpr = False):
+    """acc + x @ y (x @ y^T with TRANS), fp32 [M, N], for x [M, D] and y [D, N] each an
+    input tile (dtype OP) or a computed tile (fp32, or wide_dtype(OP)): both as OP, but for
+    fp16 OP both in fp32 at tf32, an fp32 one rounded to nearest at tf32's 10 mantissa
+    bits: fp16's precision with fp32's range (a state, a pair product, or their gradients
+    pass fp16's 65,504 where the outputs do not; as fp16 operands they would be inf).
+    acc: fp32 [M, N] or None."""
+    if OP == tl.float16:
+        xx = _tf32_near(x)
+        yy = _tf32_near(y)
         if TRANS:
-            y = tl.trans(y)
-        return tl.dot(x.to(tl.float32), y, acc, input_precision="tf32")
+            yy = tl.trans(yy)
+        return tl.dot(xx, yy, acc, input_precision="tf32")
     else:
-        y = s.to(x.dtype)
+        xx = x.to(OP)
+        yy = y.to(OP)
         if TRANS:
-            y = tl.trans(y)
-        return tl.dot(x, y, acc, input_precision=DOT_PREC)
+            yy = tl.trans(yy)
+        return tl.dot(xx, yy, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _tf32_near(x):
+    """x as fp32: exact for a 16-bit x, else rounded half away from zero to 10 mantissa
+    bits (as cvt.rna.tf32), so that the tensor cores, which read a tf32 operand's top 19
+    bits, do not truncate."""
+    if x.dtype == tl.float16:
+        return x.to(tl.float32)
+    else:
+        bits = (x.to(tl.float32).to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000
+        return bits.to(tl.float32, bitcast=True)
 
 
 @triton.constexpr_function

@@ -54,8 +54,8 @@ from . import chunk, fused_chunk_bwd
 from . import fused_chunk_split as split
 from .common import (block_pos, check_k, decay_k_in, exact_dtype, exp_, flags, gate_inputs,
                      head_gamma, key_gated, level_mask, load_qk_tile, load_tile, next_pow2,
-                     op_dtype, seg_matrix, seg_sums, seq_bounds, state_dot, tile_ptrs,
-                     varlen_input)
+                     op_dtype, seg_matrix, seg_sums, seq_bounds, op_dot, tile_ptrs,
+                     varlen_input, wide_dtype)
 
 BT = 32
 # Software pipelining of the chunk loop: Triton's pipeliner does not take a loop whose
@@ -185,6 +185,7 @@ def fused_chunk_fwd_kernel(
     seg = base * NP + i_s * (K * V)  # this segment's state (base when NS == 1)
     p_kv = o_k[:, None] * V + o_v[None, :]
     op: tl.constexpr = op_dtype(q.dtype.element_ty)
+    wop: tl.constexpr = wide_dtype(op)  # A's products (common.op_dot)
     nc = tl.cdiv(eos - bos, BT)
     if NS == 1:
         c0, c1 = 0, nc
@@ -221,24 +222,24 @@ def fused_chunk_fwd_kernel(
                 f, _ = _key_gate(seg_matrix(o_t, 2 * BT, DT), DT, g, gk, gamma, row0, pos,
                                  mask_t, i_h, o_k, mask_k, H, K, G_MODE, USE_GK, GAMMA_MODE)
                 b_q *= f
-            acc = state_dot(b_q.to(op), b_s, None, DOT_PREC)
+            acc = op_dot(b_q.to(op), b_s, None, op, DOT_PREC)
             b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V)
             if USE_GV:
                 b = decay_k_in(DV, gv, gv, 0., row0, pos, mask_t, i_h, o_v, mask_v, H, V, 0,
                                True, 0)
                 acc *= exp_(seg_sums(seg_matrix(o_t, 2 * BT, DV), b, DV))
                 b_vf = b_v.to(tl.float32)
-                acc = tl.dot(tl.where(o_t[:, None] == o_t[None, :], b_a, 0.).to(op),
-                             b_v.to(op), acc, input_precision=DOT_PREC)
+                acc = op_dot(tl.where(o_t[:, None] == o_t[None, :], b_a, 0.).to(wop), b_v,
+                             acc, op, DOT_PREC)
                 for lvl in range(0, LEVELS):  # chunk_output_kernel's value levels
                     hl = (BT // 2) >> lvl
                     x = exp_(seg_sums(seg_matrix(o_t, hl, DV), b, DV))
-                    b_al = tl.where(level_mask(o_t, hl), b_a, 0.).to(op)
-                    acc += x * tl.dot(b_al, (b_vf * x).to(op), input_precision=DOT_PREC)
+                    b_al = tl.where(level_mask(o_t, hl), b_a, 0.).to(wop)
+                    acc += x * op_dot(b_al, (b_vf * x).to(op), None, op, DOT_PREC)
                 b_vg, l_v = _value_gated(b_vf, b, DV)
                 b_s *= exp_(l_v)
             else:
-                acc = tl.dot(b_a.to(op), b_v.to(op), acc, input_precision=DOT_PREC)
+                acc = op_dot(b_a.to(wop), b_v, acc, op, DOT_PREC)
                 b_vg = b_v
             tl.store(tile_ptrs(o, row0, pos, i_h * NK + i_k, o_v, H * NK, V),
                      acc.to(o.dtype.element_ty), mask=mask_t[:, None] & mask_v[None, :])

@@ -46,7 +46,7 @@ from ..launch import Launch, Out
 from . import chunk
 from .common import (block_pos, decay_k_in, exact_dtype, exp_, flags, head_gamma, level_mask,
                      load_tile, next_pow2, op_dtype, present, seg_matrix, seg_sums, seq_bounds,
-                     state_dot, tile_ptrs, varlen_input)
+                     op_dot, tile_ptrs, varlen_input, wide_dtype)
 
 
 @triton.jit
@@ -58,12 +58,13 @@ def _factor(a, o_t, h, DT: tl.constexpr):
 
 @triton.jit
 def _dot2(w, y, op: tl.constexpr, DOT_PREC: tl.constexpr):
-    """w @ y for fp32 y [BT, D] in two pieces of the 16-bit dtype op (one for fp32)."""
+    """w @ y for fp32 y [BT, D] in two pieces of the 16-bit dtype op (one for fp32), w
+    [BT, BT] in op or, computed, common.wide_dtype(op) (common.op_dot)."""
     y0 = y.to(op)
     if op == tl.float32:
-        return tl.dot(w, y0, input_precision=DOT_PREC)
-    p = tl.dot(w, (y - y0.to(tl.float32)).to(op), input_precision=DOT_PREC)
-    return tl.dot(w, y0, p, input_precision=DOT_PREC)
+        return op_dot(w, y0, None, op, DOT_PREC)
+    p = op_dot(w, (y - y0.to(tl.float32)).to(op), None, op, DOT_PREC)
+    return op_dot(w, y0, p, op, DOT_PREC)
 
 
 @triton.jit
@@ -137,7 +138,7 @@ def fused_chunk_bwd_dq_kernel(
         b_do = load_tile(do, row0, pos, i_h, o_v, mask_t, mask_v, H, V).to(op)
         b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V).to(op)
         b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K)
-        acc = state_dot(b_do, b_s, None, DOT_PREC, TRANS=True)
+        acc = op_dot(b_do, b_s, None, op, DOT_PREC, TRANS=True)
         if KGATE:
             acc *= _factor(a, o_t, 2 * BT, DT)
         d_a = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
@@ -145,10 +146,10 @@ def fused_chunk_bwd_dq_kernel(
             for lvl in range(0, LEVELS):  # one level's tiles live at a time
                 hl = (BT // 2) >> lvl
                 f = _factor(a, o_t, hl, DT)
-                w = tl.where(level_mask(o_t, hl), d_a, 0.).to(op)
+                w = tl.where(level_mask(o_t, hl), d_a, 0.).to(wide_dtype(op))
                 acc += f * _dot2(w, b_k.to(tl.float32) * f, op, DOT_PREC)
         else:
-            acc += _dot2(tl.where(o_t[:, None] > o_t[None, :], d_a, 0.).to(op),
+            acc += _dot2(tl.where(o_t[:, None] > o_t[None, :], d_a, 0.).to(wide_dtype(op)),
                          b_k.to(tl.float32), op, DOT_PREC)
         tl.store(tile_ptrs(dq, row0, pos, i_h, o_k, H, K), acc * scale,
                  mask=mask_t[:, None] & mask_k[None, :])
@@ -206,16 +207,16 @@ def fused_chunk_bwd_dkv_kernel(
         b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V).to(op)
         # through the chunk end's state gradient
         if DK:
-            acc_k = state_dot(b_v, b_dh, None, DOT_PREC, TRANS=True)
+            acc_k = op_dot(b_v, b_dh, None, op, DOT_PREC, TRANS=True)
             if KGATE:
                 acc_k *= _factor(a, o_t, BT, DT)
             d_at = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)  # dA^T [s, t]
         if DV:
             if KGATE:
-                acc_v = state_dot((b_k.to(tl.float32) * _factor(a, o_t, BT, DT)).to(op), b_dh,
-                                  None, DOT_PREC)
+                acc_v = op_dot((b_k.to(tl.float32) * _factor(a, o_t, BT, DT)).to(op), b_dh,
+                               None, op, DOT_PREC)
             else:
-                acc_v = state_dot(b_k.to(op), b_dh, None, DOT_PREC)
+                acc_v = op_dot(b_k.to(op), b_dh, None, op, DOT_PREC)
             # the step's own term: A's diagonal, ungated
             diag = tl.sum(b_q.to(tl.float32) * b_k.to(tl.float32), 1) * scale
             acc_v += diag[:, None] * b_do.to(tl.float32)
@@ -225,7 +226,7 @@ def fused_chunk_bwd_dkv_kernel(
                 f = _factor(a, o_t, hl, DT)
                 m_t = _level_mask_t(o_t, hl)
                 if DK:
-                    w = tl.where(m_t, d_at, 0.).to(op)
+                    w = tl.where(m_t, d_at, 0.).to(wide_dtype(op))
                     acc_k += f * _dot2(w, b_q.to(tl.float32) * f, op, DOT_PREC) * scale
                 if DV:
                     # A^T [s, t] of the level: (x F)(x F)^T is symmetric, x = q on the rows
@@ -233,17 +234,17 @@ def fused_chunk_bwd_dkv_kernel(
                     p = (tl.where(((o_t & hl) != 0)[:, None], b_q, b_k).to(tl.float32)
                          * f).to(op)
                     a_t = tl.dot(p, tl.trans(p), input_precision=DOT_PREC)
-                    acc_v += tl.dot(tl.where(m_t, a_t * scale, 0.).to(op), b_do,
-                                    input_precision=DOT_PREC)
+                    acc_v += op_dot(tl.where(m_t, a_t * scale, 0.).to(wide_dtype(op)), b_do,
+                                    None, op, DOT_PREC)
         else:
             later = o_t[:, None] < o_t[None, :]
             if DK:
-                acc_k += _dot2(tl.where(later, d_at, 0.).to(op), b_q.to(tl.float32), op,
+                acc_k += _dot2(tl.where(later, d_at, 0.).to(wide_dtype(op)), b_q.to(tl.float32), op,
                                DOT_PREC) * scale
             if DV:
                 a_t = tl.dot(b_k.to(op), tl.trans(b_q.to(op)), input_precision=DOT_PREC)
-                acc_v += tl.dot(tl.where(later, a_t * scale, 0.).to(op), b_do,
-                                input_precision=DOT_PREC)
+                acc_v += op_dot(tl.where(later, a_t * scale, 0.).to(wide_dtype(op)), b_do,
+                                None, op, DOT_PREC)
         if DK:
             tl.store(tile_ptrs(dk, row0, pos, i_h, o_k, H, K), acc_k,
                      mask=mask_t[:, None] & mask_k[None, :])
