@@ -27,7 +27,8 @@ which fused_chunk_ksum_kernel sums into o; no sequence split there.
 
 Precision is the chunk family's: the same decay sums (exact fp32 sums of the
 decays' own values, as 1 or 3 16-bit tensor-core products), the same dot operands
-(the state as a dot operand in q's dtype, as chunk's h in bf16; fp32 "ieee").
+(the state as a dot operand in q's dtype, as chunk's h in bf16; fp32 "ieee"; for fp16
+the state and A at tf32, common.op_dot).
 
 Backward: fused_chunk_bwd.py's walks with S or dh in registers and a combine pass, where
 they apply (fused_chunk_bwd.supported: no gv, no g_gamma, K, V <= 128 in 16 bits), else
