@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from . import contract
+from . import contract, tuning
 from .contract import INPUTS, TOKENS, Plan
 
 MODES = ("auto", "chunk", "fused_recurrent", "fused_chunk")
@@ -150,22 +150,53 @@ CHUNK_LEN = 64
 LAUNCHES = {"fused_recurrent": 1, "chunk": 3}
 
 
+def sequence_length(plan: Plan) -> int:
+    """T, or the mean length ceil(total / N) with cu_seqlens."""
+    return plan.T if not plan.varlen else -(-plan.T // max(plan.N, 1))
+
+
 def kernel_costs(plan: Plan) -> dict:
-    """Estimated forward cost (us) of each Triton family for this call. The
-    sequence length is T, or the mean length total/N with cu_seqlens (the
-    lengths may be traced, so the longest is not known)."""
-    L = plan.T if not plan.varlen else -(-plan.T // max(plan.N, 1))
+    """Estimated forward cost (us) of each Triton family for this call, at the
+    `sequence_length` (the mean with cu_seqlens: the lengths may be traced, so the
+    longest is not known)."""
+    L = sequence_length(plan)
     return {"fused_recurrent": LAUNCHES["fused_recurrent"] * LAUNCH_US + L * FUSED_STEP_US,
             "chunk": LAUNCHES["chunk"] * LAUNCH_US + -(-L // CHUNK_LEN) * CHUNK_STEP_US}
 
 
+# mode="auto" on a device whose table (bridge/tuning.py) holds a ranking: the site
+# RANKING's entry for the call's kind, {"T": [lengths], "fastest": [families]}, the family
+# the GPU kit timed fastest (forward+backward, batch x heads 8 x 16: parity/gpu/ranking.py)
+# at each length
+RANKING = ("auto", "mode")
+
+
+def ranked(plan: Plan):
+    """The family the device table ranks first for this call's length (`RANKING`: that
+    of the longest measured length <= the call's `sequence_length`), or None
+    (no ranking for this device and kind of call, or a call shorter than every measured
+    length)."""
+    entry = tuning.pick(plan, *RANKING, {"T": [], "fastest": []})
+    L = sequence_length(plan)
+    below = [(t, f) for t, f in zip(entry["T"], entry["fastest"]) if t <= L]
+    return max(below)[1] if below else None
+
+
 def kernel_mode(mode: str, plan: Plan) -> str:
-    """Resolve the Triton kernel family: `mode` itself when named, else "chunk" or
-    "fused_recurrent" (mode="auto": the cheaper by `kernel_costs` of those that take
-    the plan's head dims, `refusal`; the fused kernel on a tie; "fused_chunk" only by
-    name until a GPU has ranked it)."""
+    """Resolve the Triton kernel family: `mode` itself when named, else (mode="auto") the
+    device table's ranked family (`ranked`) where it takes the plan's head dims, else
+    `cost_choice`."""
     if mode != "auto":
         return mode
+    first = ranked(plan)
+    if first in HEAD_DIMS and refusal(plan, first) is None:
+        return first
+    return cost_choice(plan)
+
+
+def cost_choice(plan: Plan) -> str:
+    """"chunk" or "fused_recurrent": the cheaper by `kernel_costs` of those that take the
+    plan's head dims (`refusal`), the fused kernel on a tie."""
     cost = kernel_costs(plan)
     return min(("fused_recurrent", "chunk"),
                key=lambda m: (refusal(plan, m) is not None, cost[m]))

@@ -1,15 +1,16 @@
 """The GPU kit (`python -m parity.gpu`) in its dry run: the same orchestration on the
 CPU at tiny shapes (Triton's interpreter; stand-ins for CUDA and fla, named as such).
 
-Checked: every step runs in order under its cap and records its result; the JSON
-follows the schema; the figures agree where they must (our kernels against fla's
-stand-ins, an independent algorithm); every measurement is its own row with its own
-status, so a failing implementation, an fla not warmed or absent, loses only its rows;
-fla's autotuner winners are written and a later run given them tunes nothing; the
-per-kernel times carry the instruction model's figures and the config sweep writes a
-device table; a step made to fail, or to hang past its cap, is recorded and the next
-step still runs; BENCHMARKS.md's GPU section is rendered from the JSON alone, the rest
-of the file untouched. Three kit runs, ~30-70 s each here."""
+Checked: every step runs in order under its cap and records its result; the JSON follows
+the schema; the figures agree where they must (our kernels against fla's stand-ins, an
+independent algorithm); every measurement is its own row with its own status, so a
+failing implementation, an fla not warmed or absent, loses only its rows; fla's
+autotuner winners are written and a later run given them tunes nothing; the per-kernel
+times carry the instruction model's figures and the config sweep writes a device table,
+with mode="auto"'s ranking of the families from the speed rows; a step made to fail, or
+to hang past its cap, is recorded and the next step still runs; BENCHMARKS.md's GPU
+section is rendered from the JSON alone, the rest of the file untouched. Three kit runs,
+~30-70 s each here."""
 
 import importlib.util
 import json
@@ -21,6 +22,7 @@ import sys
 import pytest
 
 from bridge import tuning
+from parity.compiled import report
 from parity.gpu import kernels, render
 from parity.gpu.plan import DRY, STEPS
 
@@ -226,12 +228,44 @@ def test_sweep_writes_a_device_table(clean):
     table = tuning.load(os.path.join(os.path.dirname(path), "tuning.json"))
     (device, rec), = table["devices"].items()
     assert device == sw["result"]["device"] and "never shipped" in device
-    assert len(rec["entries"]) == sw["result"]["entries"]
+    ranked = {k: e for k, e in rec["entries"].items() if k.startswith("auto/mode/")}
+    assert len(rec["entries"]) == sw["result"]["entries"] + len(ranked)
     chosen = {(w["family"], w["site"]): w for w in sw["result"]["winners"]}
     for key, knobs in rec["entries"].items():
+        if key in ranked:
+            continue
         fam, site = key.split("/")[:2]
         w = chosen[(fam, site)]
         assert w["knobs"] == knobs and w["us"] < (1 - sw["result"]["margin"]) * w["default_us"]
+
+
+def test_the_speed_rows_rank_the_families_for_mode_auto(clean, monkeypatch):
+    """tuning.json's ranking entry (parity/gpu/ranking.py): at each length the family
+    whose forward+backward the speed step timed fastest, the cost rule's (fused_recurrent
+    at the dry run's T=16) kept unless another beats it by the sweep's margin; the device
+    table it is in sends mode="auto" there."""
+    from bridge import dispatch
+    from parity.gpu import sweep
+
+    _, result, md, path = clean
+    rows = [r for r in _rows(_steps(result)["speed"]) if r["mode"] == "fwdbwd"
+            and r["status"] == "ok" and r["impl"] == f"ours {r['family']} (torch)"]
+    ms = {r["family"]: r["ms"] for r in rows}
+    assert set(ms) == {"chunk", "fused_recurrent", "fused_chunk"} and {r["T"] for r in rows} == {
+        DRY.Ts[0]}
+    best = min(ms, key=ms.get)
+    want = best if ms[best] < (1 - sweep.MARGIN) * ms["fused_recurrent"] else "fused_recurrent"
+    table = tuning.load(os.path.join(os.path.dirname(path), "tuning.json"))
+    entries = table["devices"][sweep.DRY_DEVICE]["entries"]
+    key = f"auto/mode/float32/K{DRY.K}/V{DRY.V}/g=key"
+    assert entries[key] == {"T": [DRY.Ts[0]], "fastest": [want]}
+    assert result["ranking"]["entries"] == {key: entries[key]}
+    times = "; ".join(f"{f} {ms[f]:.3f}" for f in sorted(ms))
+    assert f"`{key}` in tuning.json: T={DRY.Ts[0]} {want} ({times} ms)." in md
+    plan = report.report_plan((DRY.B, DRY.Ts[0], DRY.H, DRY.K, DRY.V), "fp32", "key")
+    monkeypatch.setattr(tuning, "_shipped", lambda: table["devices"])  # as if merged
+    with tuning.on_device(sweep.DRY_DEVICE):
+        assert dispatch.kernel_mode("auto", plan) == want
 
 
 def test_benchmarks_section_is_rendered_from_the_json(clean, tmp_path):

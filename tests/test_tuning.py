@@ -81,6 +81,45 @@ def test_a_knob_the_site_lacks_is_refused(fake_table):
             family("chunk").forward_launches(fake_table)
 
 
+def test_mode_auto_takes_the_devices_ranking(monkeypatch):
+    """The ranking entry (bridge.dispatch.RANKING) sets mode="auto" on its device, for its
+    kind of call, from its shortest length up: each call takes the family of the longest
+    measured length <= its own; elsewhere the cost rule (dispatch.cost_choice) decides."""
+    from bridge import dispatch
+
+    plan = lambda T, **kw: report.report_plan((8, T, 16, 128, 128), **kw)  # noqa: E731
+    key = tuning.entry_key(plan(4096), *dispatch.RANKING)
+    assert key == "auto/mode/bfloat16/K128/V128/g=key"
+    ranking = {key: {"T": [1024, 4096], "fastest": ["chunk", "fused_chunk"]}}
+    monkeypatch.setattr(tuning, "_shipped", lambda: {FAKE: {"source": "test",
+                                                            "entries": ranking}})
+    want = {32: "fused_recurrent", 512: "chunk", 1024: "chunk", 4095: "chunk",
+            4096: "fused_chunk", 8192: "fused_chunk"}
+    for T, fam in want.items():
+        with tuning.on_device(FAKE):
+            assert dispatch.kernel_mode("auto", plan(T)) == fam, T
+            assert dispatch.kernel_mode("chunk", plan(T)) == "chunk"  # a named mode stays
+            other = plan(T, gates="head")  # another kind of call: the cost rule
+            assert dispatch.kernel_mode("auto", other) == dispatch.cost_choice(other)
+        for device in (None, "8.0 Other GPU"):  # the CPU, another device: the cost rule
+            with tuning.on_device(device):
+                assert dispatch.kernel_mode("auto", plan(T)) == dispatch.cost_choice(plan(T))
+    # varlen calls are ranked by their mean length, as the cost rule counts them
+    q = torch.zeros(1, 8192, 16, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4096, 8192])
+    with tuning.on_device(FAKE):
+        call = dispatch.prepare(dict(q=q, k=q, v=q, g=q), softmax_scale=None, reverse=False,
+                                cu_seqlens=cu, platform="triton", mode="auto",
+                                platforms=("auto", "triton", "torch"), fallback="torch",
+                                gpu=False)
+    assert (call.platform, call.kernel) == ("triton", "fused_chunk")
+    # a ranked family that refuses the call's head dims: the cost rule
+    wide = report.report_plan((8, 4096, 16, 1024, 128))
+    ranking[tuning.entry_key(wide, *dispatch.RANKING)] = {"T": [1024], "fastest": ["fused_chunk"]}
+    with tuning.on_device(FAKE):
+        assert dispatch.kernel_mode("auto", wide) == dispatch.cost_choice(wide)
+
+
 def test_merged_table_file_reads_back(tmp_path):
     table = tmp_path / "t.json"
     table.write_text(json.dumps({"schema": tuning.SCHEMA, "devices": {}}))

@@ -3,9 +3,10 @@
 `platform`: "triton" (the `bridge` kernels: compiled on CUDA, interpreted on
 CPU), "torch" (the chunked algorithm in plain torch ops), or "auto" (Triton on
 CUDA tensors, torch on CPU tensors, except that mode="fused_recurrent" on CPU
-means the interpreted Triton kernel). `mode`: "fused_recurrent", "chunk" or
-"auto" (Triton kernels only: the cheaper family by `dispatch.kernel_costs`, fused
-recurrent for short sequences and decoding; the torch platform is chunked).
+means the interpreted Triton kernel). `mode`: "fused_recurrent", "chunk",
+"fused_chunk" or "auto" (Triton kernels only: the device table's ranking where it has
+one, else the cheaper family by `dispatch.kernel_costs`, fused recurrent for short
+sequences and decoding: `dispatch.kernel_mode`; the torch platform is chunked).
 ejkernel's platform names: "cuda" means "triton" on CUDA tensors (a ValueError on
 others); "xla", "pallas", "tilelang", "cute" are ValueErrors that say what to use.
 `query`, `key`, `value` are accepted for q, k, v (ejkernel's names).

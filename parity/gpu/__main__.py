@@ -9,8 +9,9 @@ runs: machine, correctness, tune (fla's autotuning), speed, varlen, decode, kern
 its own row with its own status (parity/gpu/rows.py). Writes DIR/gpu.json (the
 results), DIR/gpu.log (everything the steps printed), DIR/gpu-section.md,
 DIR/fla-configs.json (fla's autotuner winners: pass it as --fla-configs to a later run
-so that it tunes nothing), DIR/tuning.json (the sweep's device table: `python -m
-bridge.tuning --merge` ships it) and DIR/properties.jsonl (the property tests' failing
+so that it tunes nothing), DIR/tuning.json (the device table: the sweep's configs and
+mode="auto"'s ranking of the families from the speed rows, parity/gpu/ranking.py;
+`python -m bridge.tuning --merge` ships it) and DIR/properties.jsonl (the property tests' failing
 problems, the shrunk one last), updates BENCHMARKS.md's GPU section (and results.json,
 and parity/bench/results/gpu.json) unless --md none, and prints a short table last.
 
@@ -32,7 +33,7 @@ import tempfile
 import time
 import traceback
 
-from . import decode, kernels, plan as plans, render, rows, speed, varlen
+from . import decode, kernels, plan as plans, ranking, render, rows, speed, varlen
 from .child import Child
 from .plan import STEPS
 
@@ -326,6 +327,12 @@ def run_kit(out, quick=False, dry=False, md=None, results_json=None, json_copy=N
             _write(out, result, t0)
     finally:
         kit.close()
+    try:  # mode="auto"'s ranking from the speed rows, into the sweep's device table
+        result["ranking"] = ranking.write(os.path.join(out, "tuning.json"), result, plan,
+                                          kit.machine)
+        kit.say(f"ranking for mode='auto': {result['ranking']['entries'] or 'none'}")
+    except Exception as e:  # the kit's results stand without it
+        result["ranking"] = {"error": f"{type(e).__name__}: {e}"}
     result["wall_s"] = round(time.monotonic() - t0, 1)
     render.validate(result)
     _write(out, result, t0)

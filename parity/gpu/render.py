@@ -3,10 +3,12 @@ short table printed last, and the section's place in BENCHMARKS.md and results.j
 
 Schema "gla-bridge/gpu-kit/2": {schema, kit (full | quick | dry-run), command, date,
 commit, budget_s, wall_s, stand_ins [str], steps [{name, status (ok | error | timed_out
-| skipped), cap_s, estimate_s, wall_s, error, result {}, rows []}], kernels, sweep}, the
-steps in plan.STEPS order; "kernels" and "sweep" repeat those steps' {status, result,
-rows}. Rows carry a "kind" ("test", "row", "launch", "agree", "call", "profile",
-"kernel", "candidate"); measured ones a status (parity/gpu/rows.py)."""
+| skipped), cap_s, estimate_s, wall_s, error, result {}, rows []}], kernels, sweep,
+ranking}, the steps in plan.STEPS order; "kernels" and "sweep" repeat those steps'
+{status, result, rows}; "ranking" is what parity/gpu/ranking.py added to tuning.json
+({device, entries, ms}, or {error}; absent in JSONs from before it). Rows carry a "kind"
+("test", "row", "launch", "agree", "call", "profile", "kernel", "candidate"); measured
+ones a status (parity/gpu/rows.py)."""
 
 import json
 
@@ -343,6 +345,25 @@ def steps_table(result) -> list:
     return out
 
 
+def _ranking_lines(result) -> list:
+    """mode="auto"'s ranking the kit wrote into tuning.json (parity/gpu/ranking.py)."""
+    if "ranking" not in result:  # a JSON from before the ranking
+        return []
+    r = result["ranking"]
+    head = "mode=\"auto\"'s ranking (forward+backward, parity/gpu/ranking.py)"
+    if r.get("error"):
+        return [f"{head}: not written ({r['error']}).", ""]
+    if not r.get("entries"):
+        return [f"{head}: none (no length timed the cost rule's family and another).", ""]
+    ms = r.get("ms") or {}
+
+    def times(T):
+        return "; ".join(f"{f} {x:.3f}" for f, x in sorted(ms.get(str(T), {}).items()))
+    return [f"{head}, `{key}` in tuning.json: "
+            + ", ".join(f"T={t} {f} ({times(t)} ms)" for t, f in zip(e["T"], e["fastest"]))
+            + "." for key, e in r["entries"].items()] + [""]
+
+
 def markdown(result) -> str:
     """BENCHMARKS.md's GPU section (without its heading)."""
     out = []
@@ -364,7 +385,7 @@ def markdown(result) -> str:
     tune = _step(result, "tune")
     out += [f"fla's autotuning (tune step, parity/gpu/ahead.py): "
             f"{render_kernels.tune_line(tune['result']) or tune.get('error') or 'not run'}.", ""]
-    out += _speed_tables(result)
+    out += _speed_tables(result) + _ranking_lines(result)
     out += ["### Packed variable-length sequences", ""] + _varlen_table(result)
     out += ["### Decoding", ""] + _decode_table(result)
     out += render_kernels.markdown(result, _step)

@@ -22,6 +22,7 @@ from parity.compiled import report
 from .rows import failure
 
 MARGIN = 0.03  # a winner must beat the defaults by 3%: less is within the timing noise
+DRY_DEVICE = "CPU stand-in (dry run: never shipped)"  # the dry run's table is the CPU's
 _ENVS = {}     # (gates, mode) -> the call's inputs: the last call's, per process
 
 
@@ -129,7 +130,7 @@ def ahead_calls(plan):
 
 def run(emit, deadline, *, plan, out_path):
     """Every candidate timed, guarded; the winners written as a device table."""
-    device = tuning.device_key() if not plan.dry else "CPU stand-in (dry run: never shipped)"
+    device = tuning.device_key() if not plan.dry else DRY_DEVICE
     winners, report = {}, []
     for gates, mode, p, (fam, site), cands in by_site(plan):
         which = affected(p, mode, site, cands)
