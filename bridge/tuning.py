@@ -189,9 +189,10 @@ def sites(plan, mode) -> dict:
 
 
 def _fits(plan, knob, value) -> bool:
-    """Tiles from 16 to the (power-of-two) dimension they block; other knobs as listed."""
-    if knob in ("BK", "BV"):
-        return 16 <= value <= _pow2(plan.K if knob == "BK" else plan.V)
+    """Tiles from 16 to the (power-of-two) dimension they block (K: BK, BKI; V: BV, SV);
+    other knobs as listed."""
+    if knob in ("BK", "BKI", "BV", "SV"):
+        return 16 <= value <= _pow2(plan.K if knob in ("BK", "BKI") else plan.V)
     return True
 
 

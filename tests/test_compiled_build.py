@@ -327,3 +327,47 @@ def test_trip_counts_follow_dtypes(tmp_path, monkeypatch):
     blind = tripcounts.trip_counts(dtype_toy.dtype_toy, (3,),
                                    dict(x=symbolic.UNKNOWN, y=symbolic.UNKNOWN, L=5))
     assert blind.unknown[key(15)] == 3
+
+
+# ---------------------------------------------------------------- fused_chunk's 16-bit plans
+
+_FUSED_CHUNK_16 = '''
+import json
+from parity.compiled import build, report
+from bridge.kernels import family
+
+fam = family("fused_chunk")
+out = []
+for dtype in ("bf16", "fp16"):
+    for gates in ("key", "head", "none", "gamma", "all"):
+        if dtype == "fp16" and gates == "all":
+            continue  # spills (SPEC.md): its state and A products in fp32
+        for KV in (64, 128):
+            plan = report.report_plan((1, 64, 2, KV, KV), dtype, gates)
+            launches = fam.forward_launches(plan) + fam.backward_launches(plan, True)
+            dtypes = build.tensor_dtypes(plan, [launches])
+            for launch in launches:
+                r = build.compile_launch(launch, plan, 90, dtypes=dtypes)
+                out.append([dtype, gates, KV, launch.kernel.__name__, launch.num_warps,
+                            r["regs"], r["spill_bytes"]])
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.matrix
+def test_fused_chunk_16bit_plans_build_without_spills_on_sm90(tmp_path):
+    """fused_chunk's launches (forward and its backward, on chip or the chunk family's
+    list) at K = V = 64 and 128, bf16 with every gate kind and fp16 short of every gate,
+    build for sm_90 without spills, the bf16 forward without gv ("lean": fused_chunk
+    .config) and the on-chip walks at 4 warps (two programs a SM: registers <= 255 at
+    128 threads)."""
+    got = _compiled_json(tmp_path, _FUSED_CHUNK_16, timeout=1800)
+    assert len({(d, g, kv) for d, g, kv, *_ in got}) == 18
+    spilled = [row for row in got if row[-1] != 0]
+    assert not spilled, spilled
+    lean = [row for row in got if row[0] == "bf16" and row[1] != "all"
+            and row[3] == "fused_chunk_fwd_kernel"]
+    walks = [row for row in got if row[3].startswith("fused_chunk_bwd_")
+             and not row[3].endswith("combine_kernel")]
+    assert len(lean) == 8 and {row[4] for row in lean} == {4}
+    assert walks and {row[4] for row in walks} == {4}

@@ -40,21 +40,23 @@ The buffers beyond the returned gradients at (8,4096,16,128,128) bf16 (`parity.c
 gradients, against the chunk family's 1.6 GB with its kept A and fla's 3.1 GB); 1.015 GB
 through the chunk list (h and dh 268 MB each in bf16).
 
-Config: chunks of BT = 32 tokens: [BT, K] operand tiles of 64 rows beside an fp32
-state [128, 64] spilled on sm_90 at 8 warps (the chunk family's h / A stay in HBM
+Config: chunks of BT = 32 tokens ([BT, K] operand tiles of 64 rows beside an fp32
+state [128, 64] spilled on sm_90 at 8 warps; the chunk family's h / A stay in HBM
 instead, so it takes 64); all of K in one block (K <= 256, else blocks of SPLIT_BK
-over programs); V blocks of BV (`config`); warps and pipelining stages from `warps` /
-`STAGES`.
+over programs); V blocks of BV, warps and the intra-chunk K block BKI from `config`,
+pipelining stages from `STAGES`. Inside a chunk each block of BKI keys is loaded once
+and gives every level of A (`_intra`).
 """
 
 import triton
 import triton.language as tl
 
+from .. import tuning
 from ..launch import Launch, Out
 from . import chunk, fused_chunk_bwd
 from . import fused_chunk_split as split
 from .common import (block_pos, check_k, decay_k_in, exact_dtype, exp_, flags, gate_inputs,
-                     head_gamma, key_gated, level_mask, load_qk_tile, load_tile, next_pow2,
+                     head_gamma, key_gated, level_mask, load_tile, next_pow2,
                      op_dtype, seg_matrix, seg_sums, seq_bounds, op_dot, tile_ptrs,
                      varlen_input, wide_dtype)
 
@@ -63,28 +65,39 @@ BT = 32
 # body holds loops (the levels'), so 1; unrolling those loops instead spilled.
 STAGES = 1
 # The launch sites the device table (bridge/tuning.py) may tune, with the candidate values
-# the GPU kit's sweep tries: "split", the segments per sequence (fused_chunk_split.py)
-SITES = {"split": split.SWEEP}
+# the GPU kit's sweep tries: "split", the segments per sequence (fused_chunk_split.py);
+# the forward's warps and intra-chunk K block (`config`); the backward walks'
+# (fused_chunk_bwd.SITES)
+SITES = {"split": split.SWEEP,
+         "fused_chunk_fwd_kernel": dict(num_warps=(4, 8), BKI=(16, 32, 64)),
+         **fused_chunk_bwd.SITES}
 
 
 @triton.jit
-def _key_gate(c, DT: tl.constexpr, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k,
-              H: tl.constexpr, K: tl.constexpr, G_MODE: tl.constexpr, USE_GK: tl.constexpr,
-              GAMMA_MODE: tl.constexpr):
-    """(exp(c @ a), the sum of a over the chunk) for the key-side log decays a of the
-    chunk (common.decay_k_in, seg_sums): [BT, BK] and [BK, 1]; [BT, 1] and a scalar
-    when a is the same for every key (g [B,T,H] and g_gamma only), computed on 16
-    columns instead of K."""
+def _key_decays(DT: tl.constexpr, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k,
+                H: tl.constexpr, K: tl.constexpr, G_MODE: tl.constexpr, USE_GK: tl.constexpr,
+                GAMMA_MODE: tl.constexpr):
+    """The chunk's key-side log decays a (common.decay_k_in) [BT, BK], or [BT, 16] when a
+    is the same for every key (g [B,T,H] and g_gamma only): 16 columns instead of K."""
     if G_MODE == 2 or USE_GK:
-        a = decay_k_in(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K, G_MODE,
-                       USE_GK, GAMMA_MODE)
-        return exp_(seg_sums(c, a, DT)), tl.sum(a.to(tl.float32), 0)[:, None]
+        return decay_k_in(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K, G_MODE,
+                          USE_GK, GAMMA_MODE)
     else:
         o_u = tl.arange(0, 16)
-        a = decay_k_in(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_u, o_u < 16, H, K, G_MODE,
-                       USE_GK, GAMMA_MODE)
-        return (tl.max(exp_(seg_sums(c, a, DT)), 1)[:, None],
-                tl.max(tl.sum(a.to(tl.float32), 0), 0))
+        return decay_k_in(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_u, o_u < 16, H, K,
+                          G_MODE, USE_GK, GAMMA_MODE)
+
+
+@triton.jit
+def _key_gate(c, DT: tl.constexpr, a, PER_KEY: tl.constexpr):
+    """(exp(c @ a), the sum of a over the chunk) for _key_decays' a (common.seg_sums):
+    [BT, BK] and [BK, 1]; [BT, 1] and a scalar when a is the same for every key (not
+    PER_KEY)."""
+    f = exp_(seg_sums(c, a, DT))
+    if PER_KEY:
+        return f, tl.sum(a.to(tl.float32), 0)[:, None]
+    else:
+        return tl.max(f, 1)[:, None], tl.max(tl.sum(a.to(tl.float32), 0), 0)
 
 
 @triton.jit
@@ -95,40 +108,42 @@ def _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, k0, nki, H: 
     """A [BT, BT] fp32 of one chunk: scale sum_k q_tk k_sk exp(sum_{s<r<=t} a_rk) for
     s <= t, 0 above the diagonal, the sum over the keys k0 .. k0 + nki BKI - 1 (all of K,
     or the program's K block when K is split). Key-gated pairs by levels
-    (chunk_intra_kernel's construction), K in blocks of BKI loaded per level and block
-    (L1 hits), so that one block's tiles are live at a time."""
+    (chunk_intra_kernel's construction), all of them from each block of BKI keys while
+    its q, k and decay tiles are loaded (once a chunk); the diagonal q_t . k_t ungated."""
     BT: tl.constexpr = pos.shape[0]
     o_t = tl.arange(0, BT)
     op: tl.constexpr = op_dtype(q.dtype.element_ty)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
-    d = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in range(0, nki):  # no decay: the diagonal (all of A ungated)
+    PER_KEY: tl.constexpr = (G_MODE == 2) or USE_GK
+    acc = tl.zeros([BT, BT], dtype=tl.float32)
+    diag = tl.zeros([BT], dtype=tl.float32)
+    for i_k in range(0, nki):
         o_k = k0 + i_k * BKI + tl.arange(0, BKI)
         mask_k = o_k < K
-        b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K).to(op)
-        b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K).to(op)
-        d = tl.dot(b_q, tl.trans(b_k), d, input_precision=DOT_PREC)
+        b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
+        b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K).to(b_q.dtype)
+        if KGATE:
+            diag += tl.sum(b_q.to(op).to(tl.float32) * b_k.to(op).to(tl.float32), 1)
+            DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE,
+                                         USE_GK, GAMMA_MODE)
+            a = _key_decays(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K,
+                            G_MODE, USE_GK, GAMMA_MODE)
+            for lvl in range(0, LEVELS):  # runtime: one level's products live at a time
+                h = (BT // 2) >> lvl
+                f, _ = _key_gate(seg_matrix(o_t, h, DT), DT, a, PER_KEY)
+                p = (tl.where(((o_t & h) != 0)[:, None], b_q, b_k).to(tl.float32) * f).to(op)
+                # A region of its own (scale 0 makes A 0 either way): Triton gives two dots
+                # of one region that feed each other (seg_sums' and this) a row-only warp
+                # layout, which at BT = 32 rows repeats each product on num_warps / 2 warps
+                if scale != 0:
+                    acc += tl.where(level_mask(o_t, h),
+                                    tl.dot(p, tl.trans(p), input_precision=DOT_PREC), 0.)
+        else:
+            acc = tl.dot(b_q.to(op), tl.trans(b_k.to(op)), acc, input_precision=DOT_PREC)
     if KGATE:
-        acc = tl.where(o_t[:, None] == o_t[None, :], d, 0.)
-        DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE, USE_GK,
-                                     GAMMA_MODE)
-        for lvl in range(0, LEVELS):  # runtime: one level's tiles live at a time
-            h = (BT // 2) >> lvl
-            upper = (o_t & h) != 0
-            c = seg_matrix(o_t, h, DT)
-            d = tl.zeros([BT, BT], dtype=tl.float32)
-            for i_k in range(0, nki):
-                o_k = k0 + i_k * BKI + tl.arange(0, BKI)
-                mask_k = o_k < K
-                b_x = load_qk_tile(q, k, row0, pos, i_h, i_hk, o_k, mask_t, upper, mask_k, H,
-                                   HK, K)
-                f, _ = _key_gate(c, DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K,
-                                 G_MODE, USE_GK, GAMMA_MODE)
-                p = (b_x.to(tl.float32) * f).to(op)
-                d = tl.dot(p, tl.trans(p), d, input_precision=DOT_PREC)
-            acc = tl.where(level_mask(o_t, h), d, acc)
+        acc = tl.where(o_t[:, None] == o_t[None, :], diag[:, None], acc)
     else:
-        acc = tl.where(o_t[:, None] >= o_t[None, :], d, 0.)
+        acc = tl.where(o_t[:, None] >= o_t[None, :], acc, 0.)
     return acc * scale
 
 
@@ -173,6 +188,7 @@ def fused_chunk_fwd_kernel(
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HK)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
+    PER_KEY: tl.constexpr = (G_MODE == 2) or USE_GK
     bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     gamma = head_gamma(g_gamma, i_n, i_h, H, GAMMA_MODE)
     o_t = tl.arange(0, BT)
@@ -220,8 +236,9 @@ def fused_chunk_fwd_kernel(
                          K, BKI, G_MODE, USE_GK, GAMMA_MODE, LEVELS, DOT_PREC)
             b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K).to(tl.float32) * scale
             if KGATE:  # gated from the chunk's start
-                f, _ = _key_gate(seg_matrix(o_t, 2 * BT, DT), DT, g, gk, gamma, row0, pos,
-                                 mask_t, i_h, o_k, mask_k, H, K, G_MODE, USE_GK, GAMMA_MODE)
+                f, _ = _key_gate(seg_matrix(o_t, 2 * BT, DT), DT,
+                                 _key_decays(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k,
+                                             mask_k, H, K, G_MODE, USE_GK, GAMMA_MODE), PER_KEY)
                 b_q *= f
             acc = op_dot(b_q.to(op), b_s, None, op, DOT_PREC)
             b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V)
@@ -247,8 +264,9 @@ def fused_chunk_fwd_kernel(
         # k loaded (and its decays again, L1 hits) only now: q's tiles are dead by here
         b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K).to(tl.float32)
         if KGATE:  # gated to the chunk's end
-            f, l_k = _key_gate(seg_matrix(o_t, BT, DT), DT, g, gk, gamma, row0, pos, mask_t,
-                               i_h, o_k, mask_k, H, K, G_MODE, USE_GK, GAMMA_MODE)
+            f, l_k = _key_gate(seg_matrix(o_t, BT, DT), DT,
+                               _key_decays(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k,
+                                           mask_k, H, K, G_MODE, USE_GK, GAMMA_MODE), PER_KEY)
             b_k *= f
             b_s *= exp_(l_k)
             if LOCAL:
@@ -301,16 +319,23 @@ KSUM_BM = 64  # the partial sum's rows a program: [64, 64] fp32, 16 registers a 
 
 
 def config(plan) -> dict:
-    """Tiles: all of K in one block (the state is one register tile), or past K =
-    SPLIT_K blocks of SPLIT_BK over programs (NK = ceil(K / BK) of them), V blocks of BV:
-    64 columns (an fp32 state [128, 64] is 32 registers a thread at 8 warps) where that
-    builds without spills on sm_80 and sm_90 (`python -m parity.compiled --family
+    """Tiles: all of K in one block (the state is one register tile), or past K = SPLIT_K
+    blocks of SPLIT_BK over programs (NK = ceil(K / BK) of them), V blocks of BV: 64
+    columns (an fp32 state [128, 64]: 32 registers a thread at 8 warps, 64 at 4) where
+    that builds without spills on sm_80 and sm_90 (`python -m parity.compiled --family
     fused_chunk`), else 32: with gv (its level products beside the state), with key
-    decays the same for every key (g [B,T,H] or g_gamma alone: their broadcasts),
-    for fp32 (FMA products) and for K blocks over 128. With K split, 64 columns only
-    for 16-bit keys without decays, 16 for 16-bit with gv, and with gv K blocks of
-    32 but in bf16. The intra-chunk products take K in blocks of BKI
-    (chunk.intra_bk)."""
+    decays the same for every key (g [B,T,H] or g_gamma alone: their broadcasts), for
+    fp32 (FMA products) and for K blocks over 128. With K split, 64 columns only for
+    16-bit keys without decays, 16 for 16-bit with gv, and with gv K blocks of 32 but in
+    bf16. bf16 without gv or K split ("lean"): 4 warps (two programs a SM on sm_90
+    without spills; A's [32, 32] products repeat on fewer warps than at 8) and the
+    intra-chunk products on K blocks BKI of 64 (every level of A from each block,
+    `_intra`: fewer, longer level runs); 16 bits with K split: 4 warps (8 spilled with
+    every gate under triton 3.6) and chunk.intra_bk's blocks; else 8 warps and
+    chunk.intra_bk's blocks (fp16's tf32 products, gv's levels and fp32's FMA products
+    spilled at 4 on sm_90).
+    num_warps and BKI: the device table's "fused_chunk_fwd_kernel" entry where it has
+    one (`SITES`)."""
     check_k(plan, "fused_chunk")
     split, half = plan.K > SPLIT_K, plan.dtype in ("bfloat16", "float16")
     # fp32 state products (fp32's, fp16's at tf32) beside gv's: K blocks of 32 when split
@@ -320,12 +345,12 @@ def config(plan) -> dict:
     wide = half and BK <= 128 and not plan.gv and (not key_gated(plan) if split else per_key)
     BV = min(16 if split and half and plan.gv else 64 if wide else 32,
              max(16, next_pow2(plan.V)))
-    return dict(BK=BK, BKI=min(BK, chunk.intra_bk(plan)), BV=BV, NV=-(-plan.V // BV))
-
-
-def warps(plan) -> int:
-    """8 warps: the state, the [BT, K] operand tiles and A side by side."""
-    return 8
+    lean = plan.dtype == "bfloat16" and not plan.gv and not split
+    knobs = tuning.pick(plan, "fused_chunk", "fused_chunk_fwd_kernel",
+                        dict(num_warps=4 if lean or (half and split) else 8,
+                             BKI=64 if lean else chunk.intra_bk(plan)))
+    return dict(BK=BK, BKI=min(BK, knobs["BKI"]), BV=BV, NV=-(-plan.V // BV),
+                num_warps=knobs["num_warps"])
 
 
 def forward_launches(plan) -> list:
@@ -360,7 +385,7 @@ def forward_launches(plan) -> list:
             constexprs=dict(dict(flags(plan), BT=BT, BK=c["BK"], BKI=c["BKI"], BV=c["BV"],
                                  LEVELS=levels, DOT_PREC=chunk.dot_precision(),
                                  STAGES=STAGES), **kw),
-            num_warps=warps(plan), num_stages=STAGES, dot_flops=int(flops), bytes=int(nbytes))
+            num_warps=c["num_warps"], num_stages=STAGES, dot_flops=int(flops), bytes=int(nbytes))
 
     final = Out("final_state", (N, H, K, V))
     o = dict(o=Out("o", (B, T, H, V), "like:q"), ht=final)

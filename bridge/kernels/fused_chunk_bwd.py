@@ -41,6 +41,7 @@ import os
 import triton
 import triton.language as tl
 
+from .. import tuning
 from ..contract import ITEMSIZE
 from ..launch import Launch, Out
 from . import chunk
@@ -341,14 +342,28 @@ def supported(plan) -> bool:
     return max(plan.K, plan.V) <= (128 if wide else 64)
 
 
+# The walks' launch sites (fused_chunk.SITES: the device table may set their warps), with
+# the candidates the GPU kit's sweep tries
+SITES = {"bwd_dq": dict(num_warps=(4, 8)), "bwd_dk": dict(num_warps=(4, 8)),
+         "bwd_dv": dict(num_warps=(4, 8), SV=(32, 64))}
+
+
 def config(plan) -> dict:
     """BK, BV: K and V padded to powers of 2; SK: the K blocks of the dq and dk walks (all
     of V), 64 for 16-bit inputs; SV: the V blocks of the dv walk (all of K), 32 (its A
-    levels beside the state); 16 for fp32 (FMA products); 8 warps."""
+    levels beside the state; 64 spilled on sm_80), 16 for fp32 (FMA products); warps:
+    4 in 16 bits (two programs a SM without spills; A's [16, 16] products repeat on
+    fewer warps than at 8), 8 in fp32 (4 spilled); each walk's the device table's entry
+    where it has one (`SITES`)."""
     BK, BV = max(16, next_pow2(plan.K)), max(16, next_pow2(plan.V))
     wide = plan.dtype in ("bfloat16", "float16")
-    return dict(BK=BK, BV=BV, SK=min(64 if wide else 16, BK), SV=min(32 if wide else 16, BV),
-                num_warps=8)
+    warps = 4 if wide else 8
+    knobs = {site: tuning.pick(plan, "fused_chunk", site, dict(num_warps=warps)) for site in
+             ("bwd_dq", "bwd_dk")}
+    knobs["bwd_dv"] = tuning.pick(plan, "fused_chunk", "bwd_dv",
+                                  dict(num_warps=warps, SV=32 if wide else 16))
+    return dict(BK=BK, BV=BV, SK=min(64 if wide else 16, BK), SV=min(knobs["bwd_dv"]["SV"], BV),
+                warps={site: k["num_warps"] for site, k in knobs.items()})
 
 
 def launches(plan, use_dht: bool) -> list:
@@ -389,13 +404,13 @@ def launches(plan, use_dht: bool) -> list:
                outputs=dict(dq=Out("dq_prime", (B, T, H, K)),
                             dfa=Out("dfa", (N, H, K)) if final_a else None),
                constexprs=dict(consts, BK=c["SK"], BV=c["BV"], NK=nk),
-               num_warps=c["num_warps"], dot_flops=int(fl_dq), bytes=int(qkvdo + f32)),
+               num_warps=c["warps"]["bwd_dq"], dot_flops=int(fl_dq), bytes=int(qkvdo + f32)),
         Launch(fused_chunk_bwd_dkv_kernel, grid=(nk * N * H,),
                inputs=dict(q="q", k="k", v="v", **gates, **cu, do="do", dht=dht),
                scalars=dict(scale=plan.scale, T=T),
                outputs=dict(dk=Out("dk_prime", (B, T, H, K)), dv=None, dh0=None),
                constexprs=dict(consts, BK=c["SK"], BV=c["BV"], NK=nk, NV=1, DK=True, DV=False),
-               num_warps=c["num_warps"], dot_flops=int(fl_dk),
+               num_warps=c["warps"]["bwd_dk"], dot_flops=int(fl_dk),
                bytes=int(qkvdo + tokens * H * K * isz + f32)),
         Launch(fused_chunk_bwd_dkv_kernel, grid=(nv * N * H,),
                inputs=dict(q="q", k="k", v="v", **gates, **cu, do="do", dht=dht),
@@ -405,7 +420,7 @@ def launches(plan, use_dht: bool) -> list:
                             dh0=Out("d_initial_state", (N, H, K, V))
                             if plan.initial_state else None),
                constexprs=dict(consts, BK=c["BK"], BV=c["SV"], NK=1, NV=nv, DK=False, DV=True),
-               num_warps=c["num_warps"], dot_flops=int(fl_dv),
+               num_warps=c["warps"]["bwd_dv"], dot_flops=int(fl_dv),
                bytes=int(qkvdo + tokens * H * K * isz + tokens * H * V * (isz if own else 4))),
         Launch(fused_chunk_bwd_combine_kernel, grid=(N * H,),
                inputs=dict(q="q", k="k", v="v", do="do", **cu, dq_prime="dq_prime",
