@@ -16,7 +16,7 @@ one exponential tile serving dq and dk.
 import triton
 import triton.language as tl
 
-from .common import LOG2E, decay_v, op_dot
+from .common import LOG2E, decay_v, op_dot, split_dot
 
 
 @triton.jit
@@ -118,16 +118,14 @@ def levels_into(acc, b_a, b_x, tab, a0, a1, a2, BT: tl.constexpr, LEVELS: tl.con
         else:  # by transposed addresses, in the layout of b_a's transposed load
             pair = tl.load(p_pair + o_t[None, :] * BT + o_t[:, None])
         b_w = (b_a.to(tl.float32) * pair.to(tl.float32)).to(b_a.dtype)
-        # b_x F in two pieces of its dtype (16 bits of mantissa): rounded to one,
+        # b_x F in two pieces of its dtype (common.split_dot): rounded to one,
         # the dq and dk sides of a pair round differently and the gate gradient,
         # where the two cancel, loses the difference (5x on dg, see SPEC.md)
         y = f * b_x.to(tl.float32)
-        y0 = y.to(b_x.dtype)
-        if (b_x.dtype == tl.float32) | (b_x.dtype == tl.float64) | ONE:
-            p = op_dot(b_w, y0, None, b_x.dtype, DOT_PREC)
+        if ONE:
+            p = op_dot(b_w, y.to(b_x.dtype), None, b_x.dtype, DOT_PREC)
         else:
-            p = op_dot(b_w, (y - y0.to(tl.float32)).to(b_x.dtype), None, b_x.dtype, DOT_PREC)
-            p = op_dot(b_w, y0, p, b_x.dtype, DOT_PREC)
+            p = split_dot(b_w, y, None, b_x.dtype, DOT_PREC)
         acc += f * p
     return acc
 

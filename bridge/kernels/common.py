@@ -300,6 +300,19 @@ def op_dot(x, y, acc, OP: tl.constexpr, DOT_PREC: tl.constexpr, TRANS: tl.conste
 
 
 @triton.jit
+def split_dot(w, y, acc, OP: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc + w @ y (op_dot) for a computed fp32 y [D, N]: y in two pieces of the 16-bit
+    dtype OP, y's rounding to OP and what that rounding lost (16 bits of mantissa: both
+    sides of a pair round alike for the gate gradient, chunk_bwd.py), one piece for fp32
+    and fp64 OP. acc: fp32 [M, N] or None."""
+    y0 = y.to(OP)
+    if (OP == tl.float32) | (OP == tl.float64):
+        return op_dot(w, y0, acc, OP, DOT_PREC)
+    p = op_dot(w, (y - y0.to(tl.float32)).to(OP), acc, OP, DOT_PREC)
+    return op_dot(w, y0, p, OP, DOT_PREC)
+
+
+@triton.jit
 def _tf32_near(x):
     """x as fp32: exact for a 16-bit x, else rounded half away from zero to 10 mantissa
     bits (as cvt.rna.tf32), so that the tensor cores, which read a tf32 operand's top 19

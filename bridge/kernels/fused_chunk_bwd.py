@@ -23,9 +23,9 @@ key decays from the chunk start to t (A_t) and from t + 1 to its end, and pairs 
 Decays inside a chunk are common.seg_sums of the log decays (sums of consecutive decays,
 exact fp32 sums of the decays' own values); the pairs s < t by levels of their highest
 differing position bit (chunk_fwd.py), each level's decay F(t) F(s), both exponents <= 0;
-the F-scaled operand of dq' and dk' in two pieces of its 16-bit dtype (chunk_bwd.py: the
-two sides of a pair must round alike for the gate gradient). The walks split K (dq, dk)
-or V (dv) into blocks so that no gradient is a partial sum over blocks.
+the F-scaled operand of dq' and dk' in two pieces of its 16-bit dtype (common.split_dot;
+chunk_bwd.py: the two sides of a pair must round alike for the gate gradient). The walks
+split K (dq, dk) or V (dv) into blocks so that no gradient is a partial sum over blocks.
 
 Not here (the chunk family's list runs instead, fused_chunk.backward_launches): the value
 gate gv (its gradient needs o' do and value levels), g_gamma (its gradient is not a
@@ -47,7 +47,7 @@ from ..launch import Launch, Out
 from . import chunk
 from .common import (block_pos, decay_k_in, exact_dtype, exp_, flags, head_gamma, level_mask,
                      load_tile, next_pow2, op_dtype, present, seg_matrix, seg_sums, seq_bounds,
-                     op_dot, tile_ptrs, varlen_input, wide_dtype)
+                     op_dot, split_dot, tile_ptrs, varlen_input, wide_dtype)
 
 
 @triton.jit
@@ -55,17 +55,6 @@ def _factor(a, o_t, h, DT: tl.constexpr):
     """exp of the segmented sums of level h (common.seg_matrix) of the log decays a
     [BT, BK]: h = 2 BT from the chunk start to t, BT from t + 1 to the chunk end."""
     return exp_(seg_sums(seg_matrix(o_t, h, DT), a, DT))
-
-
-@triton.jit
-def _dot2(w, y, op: tl.constexpr, DOT_PREC: tl.constexpr):
-    """w @ y for fp32 y [BT, D] in two pieces of the 16-bit dtype op (one for fp32), w
-    [BT, BT] in op or, computed, common.wide_dtype(op) (common.op_dot)."""
-    y0 = y.to(op)
-    if op == tl.float32:
-        return op_dot(w, y0, None, op, DOT_PREC)
-    p = op_dot(w, (y - y0.to(tl.float32)).to(op), None, op, DOT_PREC)
-    return op_dot(w, y0, p, op, DOT_PREC)
 
 
 @triton.jit
@@ -148,10 +137,10 @@ def fused_chunk_bwd_dq_kernel(
                 hl = (BT // 2) >> lvl
                 f = _factor(a, o_t, hl, DT)
                 w = tl.where(level_mask(o_t, hl), d_a, 0.).to(wide_dtype(op))
-                acc += f * _dot2(w, b_k.to(tl.float32) * f, op, DOT_PREC)
+                acc += f * split_dot(w, b_k.to(tl.float32) * f, None, op, DOT_PREC)
         else:
-            acc += _dot2(tl.where(o_t[:, None] > o_t[None, :], d_a, 0.).to(wide_dtype(op)),
-                         b_k.to(tl.float32), op, DOT_PREC)
+            acc += split_dot(tl.where(o_t[:, None] > o_t[None, :], d_a, 0.).to(wide_dtype(op)),
+                             b_k.to(tl.float32), None, op, DOT_PREC)
         tl.store(tile_ptrs(dq, row0, pos, i_h, o_k, H, K), acc * scale,
                  mask=mask_t[:, None] & mask_k[None, :])
         if FINAL_A:  # S~_T: the last token's k v stays out of the last update
@@ -228,7 +217,7 @@ def fused_chunk_bwd_dkv_kernel(
                 m_t = _level_mask_t(o_t, hl)
                 if DK:
                     w = tl.where(m_t, d_at, 0.).to(wide_dtype(op))
-                    acc_k += f * _dot2(w, b_q.to(tl.float32) * f, op, DOT_PREC) * scale
+                    acc_k += f * split_dot(w, b_q.to(tl.float32) * f, None, op, DOT_PREC) * scale
                 if DV:
                     # A^T [s, t] of the level: (x F)(x F)^T is symmetric, x = q on the rows
                     # of t's segments, k on s's
@@ -240,8 +229,8 @@ def fused_chunk_bwd_dkv_kernel(
         else:
             later = o_t[:, None] < o_t[None, :]
             if DK:
-                acc_k += _dot2(tl.where(later, d_at, 0.).to(wide_dtype(op)), b_q.to(tl.float32), op,
-                               DOT_PREC) * scale
+                acc_k += split_dot(tl.where(later, d_at, 0.).to(wide_dtype(op)),
+                                   b_q.to(tl.float32), None, op, DOT_PREC) * scale
             if DV:
                 a_t = tl.dot(b_k.to(op), tl.trans(b_q.to(op)), input_precision=DOT_PREC)
                 acc_v += op_dot(tl.where(later, a_t * scale, 0.).to(wide_dtype(op)), b_do,
