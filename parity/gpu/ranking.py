@@ -72,10 +72,8 @@ def write(out_path, result, plan, machine) -> dict:
     measured = times(result)
     entry = ranking(plan, measured)
     device = device_of(plan, machine)
-    if os.path.exists(out_path):
-        table = tuning.load(out_path)
-    else:
-        table = tuning.table_of(device, "python -m parity.gpu speed", {})
+    table = (tuning.load(out_path) if os.path.exists(out_path)
+             else {"schema": tuning.SCHEMA, "devices": {}})
     rec = table["devices"].setdefault(device, {"source": "python -m parity.gpu speed",
                                                "entries": {}})
     rec["entries"].update(entry)
