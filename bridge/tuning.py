@@ -19,10 +19,12 @@ interpreter, and on a device the table does not name, every launch keeps its fam
 defaults. Nothing is tuned at a call: a launch list is a pure function of the plan and
 this table. `overriding` replaces entries within a block (the sweep's candidates, tests).
 
-A few defaults are rules on the device's size rather than constants (fused_chunk's split
-of each sequence across programs): `multiprocessors()` is its SM count, known only where
-a GPU is (None on the CPU and under the interpreter, where such a rule keeps the plain
-launch).
+A few defaults are rules on the device rather than constants: on its size (fused_chunk's
+split of each sequence across programs: `multiprocessors()`, its SM count) and on its
+instruction set (fused_chunk's tiles where the products are wgmma: `capability()`), both
+known only where a GPU is (None on the CPU and under the interpreter, where such a rule
+keeps the plain launch and the sm_80 tiles; `on_device` names a device, as the
+ahead-of-time builds do for each arch).
 """
 
 import argparse
@@ -101,6 +103,23 @@ def device_key():
 def multiprocessors():
     """The SM count of the device launches go to, or None where unknown (module doc)."""
     return _DEVICE[-1][1] if _DEVICE else _detected()[1]
+
+
+def capability():
+    """(major, minor) of the device launches go to, read from `device_key()`, or None
+    where unknown (a rule on the device's instruction set: fused_chunk's wgmma tiles)."""
+    key = device_key()
+    try:
+        major, minor = key.split(None, 1)[0].split(".")
+        return int(major), int(minor)
+    except (AttributeError, ValueError):
+        return None
+
+
+def wgmma() -> bool:
+    """Whether the device's tensor-core products are wgmma (capability 9.x, whose operands
+    come from shared memory); False where the device is unknown, whose tiles are sm_80's."""
+    return (capability() or (0, 0))[0] == 9
 
 
 @contextlib.contextmanager

@@ -338,18 +338,20 @@ from bridge.kernels import family
 
 fam = family("fused_chunk")
 out = []
-for dtype in ("bf16", "fp16"):
-    for gates in ("key", "head", "none", "gamma", "all"):
-        if dtype == "fp16" and gates == "all":
-            continue  # spills (SPEC.md): its state and A products in fp32
-        for KV in (64, 128):
-            plan = report.report_plan((1, 64, 2, KV, KV), dtype, gates)
-            launches = fam.forward_launches(plan) + fam.backward_launches(plan, True)
-            dtypes = build.tensor_dtypes(plan, [launches])
-            for launch in launches:
-                r = build.compile_launch(launch, plan, 90, dtypes=dtypes)
-                out.append([dtype, gates, KV, launch.kernel.__name__, launch.num_warps,
-                            r["regs"], r["spill_bytes"]])
+with build.for_arch(90):  # sm_90's own tiles (tuning.wgmma)
+    for dtype in ("bf16", "fp16"):
+        for gates in ("key", "head", "none", "gamma", "all"):
+            if dtype == "fp16" and gates == "all":
+                continue  # spills (SPEC.md): its state and A products in fp32
+            for KV in (64, 128):
+                plan = report.report_plan((1, 64, 2, KV, KV), dtype, gates)
+                launches = fam.forward_launches(plan) + fam.backward_launches(plan, True)
+                dtypes = build.tensor_dtypes(plan, [launches])
+                for launch in launches:
+                    r = build.compile_launch(launch, plan, 90, dtypes=dtypes)
+                    name = launch.kernel.__name__ + (".dv" if launch.constexprs.get("DV") else "")
+                    out.append([dtype, gates, KV, name, launch.num_warps,
+                                launch.constexprs.get("BV"), r["regs"], r["spill_bytes"]])
 print(json.dumps(out))
 '''
 
@@ -358,16 +360,21 @@ print(json.dumps(out))
 def test_fused_chunk_16bit_plans_build_without_spills_on_sm90(tmp_path):
     """fused_chunk's launches (forward and its backward, on chip or the chunk family's
     list) at K = V = 64 and 128, bf16 with every gate kind and fp16 short of every gate,
-    build for sm_90 without spills, the bf16 forward without gv ("lean": fused_chunk
-    .config) and the on-chip walks at 4 warps (two programs a SM: registers <= 255 at
-    128 threads)."""
+    build for sm_90 with sm_90's tiles without spills: the bf16 forward without gv
+    ("lean": fused_chunk.config) at 4 warps (two programs a SM: registers <= 255 at 128
+    threads) but with per-key decays at V = 128, there all of V at 8 warps; the dq and
+    dk walks at 4 warps, the dv walk on all of V at 8."""
     got = _compiled_json(tmp_path, _FUSED_CHUNK_16, timeout=1800)
     assert len({(d, g, kv) for d, g, kv, *_ in got}) == 18
     spilled = [row for row in got if row[-1] != 0]
     assert not spilled, spilled
-    lean = [row for row in got if row[0] == "bf16" and row[1] != "all"
-            and row[3] == "fused_chunk_fwd_kernel"]
-    walks = [row for row in got if row[3].startswith("fused_chunk_bwd_")
-             and not row[3].endswith("combine_kernel")]
-    assert len(lean) == 8 and {row[4] for row in lean} == {4}
-    assert walks and {row[4] for row in walks} == {4}
+    lean = {(g, kv): (w, bv) for d, g, kv, name, w, bv, *_ in got
+            if d == "bf16" and g != "all" and name == "fused_chunk_fwd_kernel"}
+    assert len(lean) == 8
+    assert lean == {(g, kv): (8, 128) if kv == 128 and g in ("key", "none") else
+                    (4, 64 if kv == 64 and g in ("key", "none") else 32) for g, kv in lean}
+    walks = {(name, w, bv if name.endswith(".dv") else None) for d, g, kv, name, w, bv, *_
+             in got if name.startswith("fused_chunk_bwd_") and "combine" not in name}
+    dkv = "fused_chunk_bwd_dkv_kernel"
+    assert walks == {("fused_chunk_bwd_dq_kernel", 4, None), (dkv, 4, None),
+                     (dkv + ".dv", 8, 64), (dkv + ".dv", 8, 128)}

@@ -134,24 +134,41 @@ def test_gradients_after_a_split_forward():
                  "float32")
 
 
-def _grid(shape, gates="key", sms=None, knobs=None, device="9.0 Fake GPU"):
+def _grid(shape, gates="key", sms=None, knobs=None, device="8.0 Fake GPU"):
     plan = report.report_plan(shape, "bf16", gates)
     with tuning.on_device(device, sms), tuning.overriding({SITE: knobs or {}}):
         return [(ln.kernel.__name__, ln.grid[0]) for ln in fused_chunk.forward_launches(plan)]
 
 
+def _rounds(ns, programs, slots):
+    """The rule's cost, written out: rounds of slots per segment walk (the local pass's
+    programs at half an output program's)."""
+    return (np.ceil(ns * programs / slots) + np.ceil((ns - 1) * programs / slots) / 2) / ns
+
+
 def test_rule_fills_the_device():
-    """The fewest segments with programs >= SMs: none where one wave is already full
-    (8 x 16 heads x 2 V blocks = 256 >= 132), 17 for one sequence of 4 heads (8 x 17 =
-    136 >= 132, segments of 60 chunks); 1 with no SM count (the CPU, the interpreter)
-    and with waves = 0; segments of at least min_chunks chunks."""
+    """The segments with the fewest rounds of SM slots per segment walk, the fewest on
+    ties (the cost written out in `_rounds`, its argmin worked by hand for six cases):
+    none where a wave is full (8 x 16 heads x 2 V blocks = 256 programs on sm_80 tiles;
+    128 on sm_90's, where a second segment would only fill 4 more of 132 SMs), 33 for
+    one sequence of 4 heads (8 x 33 = 264 programs in two rounds on sm_80 tiles, 4 x 33
+    = 132 in one on sm_90's; 66 with waves = 4); 1 with no SM count (the CPU, the
+    interpreter) and with waves = 0; segments of at least min_chunks chunks."""
     fwd, local, comb = "fused_chunk_fwd_kernel", "fused_chunk_fwd_kernel", \
         "fused_chunk_combine_kernel"
+    for programs, slots, most in ((8, 132, 128), (4, 132, 128), (8, 264, 128), (256, 132, 16),
+                                  (128, 132, 16), (100, 132, 16)):
+        best = min(range(1, most + 1), key=lambda ns: (_rounds(ns, programs, slots), ns))
+        assert best == {(8, 132): 33, (4, 132): 33, (8, 264): 33, (256, 132): 1,
+                        (128, 132): 1, (100, 132): 1}[programs, slots]
     assert _grid((8, 4096, 16, 128, 128), sms=132) == [(fwd, 256)]
+    assert _grid((8, 4096, 16, 128, 128), sms=132, device="9.0 Fake GPU") == [(fwd, 128)]
     assert _grid((1, 32768, 4, 128, 128)) == [(fwd, 8)]  # SM count unknown
-    assert _grid((1, 32768, 4, 128, 128), sms=132) == [(local, 8 * 16), (comb, 4 * 4),
-                                                       (fwd, 8 * 17)]
-    assert _grid((1, 32768, 4, 128, 128), sms=132, knobs=dict(waves=2))[-1] == (fwd, 8 * 33)
+    assert _grid((1, 32768, 4, 128, 128), sms=132) == [(local, 8 * 32), (comb, 4 * 4),
+                                                       (fwd, 8 * 33)]
+    assert _grid((1, 32768, 4, 128, 128), sms=132, device="9.0 Fake GPU") == [
+        (local, 4 * 32), (comb, 4 * 4), (fwd, 4 * 33)]
+    assert _grid((1, 32768, 4, 128, 128), sms=132, knobs=dict(waves=4))[-1] == (fwd, 8 * 66)
     assert _grid((1, 32768, 4, 128, 128), sms=132, knobs=dict(waves=0)) == [(fwd, 8)]
     # 1024 chunks, segments of >= 128: at most 8
     assert _grid((1, 32768, 4, 128, 128), sms=132,

@@ -221,6 +221,28 @@ def test_backward_low_precision(dtype):
     assert_close(run_case(case, dtype, backward=True), dtype)
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+def test_sm90_tiles_bf16(reverse):
+    """On a device of capability 9.x (faked; no SM count, so no split) the bf16 forward
+    takes all of V in one block (BV 128, 8 warps, key blocks of 128) and the dv walk all
+    of V (SV 128, 8 warps), where the CPU's plan takes V blocks of 64 and 32: forward and
+    every gradient within bf16's tolerance of the oracle, across several chunks, with
+    K = 96 and V = 100 padded (masked key and value columns)."""
+    case = C("sm90", T=70, H=2, Hk=1, K=96, V=100, g="key", initial_state=True,
+             reverse=reverse)
+    bf16 = [torch.zeros(1, 1, h, d, dtype=torch.bfloat16) for h, d in ((2, 96), (1, 96),
+                                                                       (1, 100))]
+    plan = contract.check(*bf16)
+    narrow = (fused_chunk.config(plan), fused_chunk_bwd.config(plan))
+    with tuning.on_device("9.0 Fake GPU"):
+        wide = (fused_chunk.config(plan), fused_chunk_bwd.config(plan))
+        errs = run_case(case, "bfloat16", backward=True)
+    assert (narrow[0]["BV"], narrow[0]["num_warps"], narrow[1]["SV"]) == (64, 4, 32)
+    assert wide[0] == dict(BK=128, BKI=128, BV=128, NV=1, num_warps=8)
+    assert wide[1]["SV"] == 128 and wide[1]["warps"]["bwd_dv"] == 8
+    assert_close(errs, "bfloat16")
+
+
 def test_k_too_large_raises():
     qk = np.zeros((1, 2, 1, 513), np.float32)
     plan = contract.check(qk, qk, np.zeros((1, 2, 1, 8), np.float32))

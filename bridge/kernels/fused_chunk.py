@@ -69,7 +69,7 @@ STAGES = 1
 # the forward's warps and intra-chunk K block (`config`); the backward walks'
 # (fused_chunk_bwd.SITES)
 SITES = {"split": split.SWEEP,
-         "fused_chunk_fwd_kernel": dict(num_warps=(4, 8), BKI=(16, 32, 64)),
+         "fused_chunk_fwd_kernel": dict(num_warps=(4, 8), BKI=(32, 64, 128), BV=(64, 128)),
          **fused_chunk_bwd.SITES}
 
 
@@ -333,8 +333,11 @@ def config(plan) -> dict:
     `_intra`: fewer, longer level runs); 16 bits with K split: 4 warps (8 spilled with
     every gate under triton 3.6) and chunk.intra_bk's blocks; else 8 warps and
     chunk.intra_bk's blocks (fp16's tf32 products, gv's levels and fp32's FMA products
-    spilled at 4 on sm_90).
-    num_warps and BKI: the device table's "fused_chunk_fwd_kernel" entry where it has
+    spilled at 4 on sm_90). On sm_90 (`tuning.wgmma`) the lean forward with
+    64 < V <= 128 and K <= 128 takes all of V in one block at 8 warps with key blocks
+    BKI of 128: one program a head instead of one a V block, so A is built once
+    (spilled 1.6 KB on sm_80).
+    num_warps, BKI and BV: the device table's "fused_chunk_fwd_kernel" entry where it has
     one (`SITES`)."""
     check_k(plan, "fused_chunk")
     split, half = plan.K > SPLIT_K, plan.dtype in ("bfloat16", "float16")
@@ -346,9 +349,15 @@ def config(plan) -> dict:
     BV = min(16 if split and half and plan.gv else 64 if wide else 32,
              max(16, next_pow2(plan.V)))
     lean = plan.dtype == "bfloat16" and not plan.gv and not split
+    # wgmma reads its operands from shared memory: registers enough for a [K, 128] state
+    # beside A's products, so all of V in one block (A built once a head, not once a V
+    # block); with mma.sync operands in registers (sm_80) that spilled
+    whole = lean and wide and tuning.wgmma() and plan.K <= 128 and 64 < plan.V <= 128
     knobs = tuning.pick(plan, "fused_chunk", "fused_chunk_fwd_kernel",
-                        dict(num_warps=4 if lean or (half and split) else 8,
-                             BKI=64 if lean else chunk.intra_bk(plan)))
+                        dict(num_warps=8 if whole else 4 if lean or (half and split) else 8,
+                             BKI=128 if whole else 64 if lean else chunk.intra_bk(plan),
+                             BV=128 if whole else BV))
+    BV = min(knobs["BV"], max(16, next_pow2(plan.V)))
     return dict(BK=BK, BKI=min(BK, knobs["BKI"]), BV=BV, NV=-(-plan.V // BV),
                 num_warps=knobs["num_warps"])
 

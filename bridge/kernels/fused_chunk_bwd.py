@@ -334,7 +334,7 @@ def supported(plan) -> bool:
 # The walks' launch sites (fused_chunk.SITES: the device table may set their warps), with
 # the candidates the GPU kit's sweep tries
 SITES = {"bwd_dq": dict(num_warps=(4, 8)), "bwd_dk": dict(num_warps=(4, 8)),
-         "bwd_dv": dict(num_warps=(4, 8), SV=(32, 64))}
+         "bwd_dv": dict(num_warps=(4, 8), SV=(32, 64, 128))}
 
 
 def config(plan) -> dict:
@@ -342,15 +342,20 @@ def config(plan) -> dict:
     of V), 64 for 16-bit inputs; SV: the V blocks of the dv walk (all of K), 32 (its A
     levels beside the state; 64 spilled on sm_80), 16 for fp32 (FMA products); warps:
     4 in 16 bits (two programs a SM without spills; A's [16, 16] products repeat on
-    fewer warps than at 8), 8 in fp32 (4 spilled); each walk's the device table's entry
-    where it has one (`SITES`)."""
+    fewer warps than at 8), 8 in fp32 (4 spilled); on sm_90 (tuning.wgmma), 16
+    bits: the dv walk on all of V at 8 warps (A's levels once a head instead of once a
+    V block; spilled on sm_80); each walk's the device table's entry where it has one
+    (`SITES`)."""
     BK, BV = max(16, next_pow2(plan.K)), max(16, next_pow2(plan.V))
     wide = plan.dtype in ("bfloat16", "float16")
     warps = 4 if wide else 8
     knobs = {site: tuning.pick(plan, "fused_chunk", site, dict(num_warps=warps)) for site in
              ("bwd_dq", "bwd_dk")}
+    # sm_90: all of V in one dv walk (A's levels built once a head) at 8 warps
+    whole = wide and tuning.wgmma()
     knobs["bwd_dv"] = tuning.pick(plan, "fused_chunk", "bwd_dv",
-                                  dict(num_warps=warps, SV=32 if wide else 16))
+                                  dict(num_warps=8 if whole else warps,
+                                       SV=BV if whole else 32 if wide else 16))
     return dict(BK=BK, BV=BV, SK=min(64 if wide else 16, BK), SV=min(knobs["bwd_dv"]["SV"], BV),
                 warps={site: k["num_warps"] for site, k in knobs.items()})
 

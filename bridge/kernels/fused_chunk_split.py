@@ -28,9 +28,12 @@ the gates, plus F and S_in ((2 NS - 1) N H K V fp32 each way); extra products: t
 state updates k^T v of NS-1 segments (the forward_launches figures).
 
 The factor NS (`segments`) is a plan choice: the device table's "split" entry for the
-call (bridge/tuning.py) or, without one, the rule: the fewest segments that make the
-programs at least `waves` x the device's SMs, segments of at least `min_chunks` chunks
-(of the mean sequence with cu_seqlens, whose lengths the plan does not know). Where the
+call (bridge/tuning.py) or, without one, the rule: with P unsplit programs and `waves` x
+the device's SMs slots, the NS that minimises the rounds of slots the split runs per
+segment walk, (ceil(NS P / slots) + LOCAL ceil((NS - 1) P / slots)) / NS, the fewest on
+ties, segments of at least `min_chunks` chunks (of the mean sequence with cu_seqlens,
+whose lengths the plan does not know): 128 programs on 132 SMs stay unsplit (a second
+round would only fill 4 more SMs), 8 take 33 segments (264 programs, two rounds). Where the
 SM count is unknown (the CPU, the interpreter) the rule keeps one segment; the knob
 `segments` forces a factor (tests, the GPU kit's sweep). Results equal the unsplit
 launch's within fp32 rounding (SPEC.md).
@@ -43,7 +46,10 @@ from .. import tuning
 from ..launch import Launch, Out
 from .common import exp_, key_gated, next_pow2
 
-WAVES = 1       # the rule's target: programs >= WAVES x SMs
+WAVES = 1       # the rule's slots: WAVES x SMs programs at once
+LOCAL = 0.5     # the rule's cost of a local-pass program against an output one (it walks
+#                 the same chunks without q, A or o), rounded up: a split must fill the
+#                 device clearly better to pay for it
 MIN_CHUNKS = 8  # the rule's shortest segment, in chunks: the local pass and the combine
 #                 cost about one segment's state walk, so short segments gain nothing
 # the sweep's candidates (fused_chunk.SITES): 0 waves is never split
@@ -67,8 +73,13 @@ def segments(plan, programs: int, BT: int) -> int:
     if not sms or not knobs["waves"]:
         return 1
     chunks = -(-(plan.T // plan.N if plan.varlen else plan.T) // BT)
-    need = -(-knobs["waves"] * sms // programs)
-    return max(1, min(need, chunks // max(knobs["min_chunks"], 1)))
+    slots = knobs["waves"] * sms
+
+    def walks(ns):  # rounds of `slots` programs, in walks of one unsplit program
+        return (-(-ns * programs // slots) + LOCAL * -(-(ns - 1) * programs // slots)) / ns
+
+    most = max(1, chunks // max(knobs["min_chunks"], 1))
+    return min(range(1, most + 1), key=lambda ns: (walks(ns), ns))
 
 
 @triton.jit

@@ -31,7 +31,7 @@ import os
 import sys
 import time
 
-from .build import DTYPES, SMEM_LIMIT, compile_launch, stages, variants
+from .build import DTYPES, SMEM_LIMIT, compile_launch, for_arch, stages, variants
 from .report import GATES, markdown, report
 
 # ---------------------------------------------------------------- command line
@@ -175,7 +175,8 @@ def main(argv=None):
 
     rows, failed = [], 0
     for arch in archs or [90]:
-        r, f = _variant_mode(args, arch)
+        with for_arch(arch):
+            r, f = _variant_mode(args, arch)
         rows += r
         failed += f
     if args.json and args.json != "-":

@@ -24,6 +24,12 @@ PEAK_FP32_FLOPS = 67e12     # fp32 FMA units: dots without mma/wgmma (ieee fp32)
 PEAK_HBM_BYTES = 3.35e12    # HBM3
 
 
+def for_arch(arch: int):
+    """A block within which the launch lists are the ones a device of `arch` runs (the
+    rules on the instruction set, `tuning.wgmma`), its SM count unknown (no split)."""
+    return tuning.on_device(f"{arch // 10}.{arch % 10} (built ahead for sm_{arch})")
+
+
 def variants():
     """(label, plan, input dtypes) covering every flag value, dtype and block size."""
     from bridge.contract import Plan

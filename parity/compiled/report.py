@@ -12,8 +12,8 @@ import sys
 import time
 
 from .build import (DTYPES, PEAK_FP32_FLOPS, PEAK_HBM_BYTES, PEAK_TC_FLOPS, PEAK_TF32_FLOPS,
-                    compile_with_usage, count_mma, launch_params, launch_trips, lower_bound,
-                    sass_fields, tensor_dtypes, workspace_bytes)
+                    compile_with_usage, count_mma, for_arch, launch_params, launch_trips,
+                    lower_bound, sass_fields, tensor_dtypes, workspace_bytes)
 
 def targets(rep, target="sm_90") -> list:
     """Issue 30's instruction-model targets for the report's `target`, each
@@ -143,17 +143,20 @@ def report(shape, dtype="bf16", mode="chunk", archs=(80, 90), gates="key", ptx_d
     fam = family(mode)
     plan = report_plan(shape, dtype, gates)
     short = {v: k for k, v in DTYPES.items()}[plan.dtype]
-    # the backward as the default plan runs it: with the forward's buffers it reuses
-    kept = fam.kept(plan)
-    phases = [("fwd", fam.forward_launches(plan)), ("bwd", fam.backward_launches(plan, True, kept))]
-    dtypes = tensor_dtypes(plan, [ls for _, ls in phases])
     if ptx_dir:
         os.makedirs(ptx_dir, exist_ok=True)
-    launches, used = [], set()
-    trips = {id(launch): launch_trips(launch.kernel, launch.grid,
-                                      launch_params(launch, dtypes))
-             for _, ls in phases for launch in ls}
+    launches, used, lists = [], set(), {}
     for arch in archs:
+        with for_arch(arch):  # the launch lists a device of this arch runs
+            # the backward as the default plan runs it: with the forward's buffers it reuses
+            kept = fam.kept(plan)
+            phases = [("fwd", fam.forward_launches(plan)),
+                      ("bwd", fam.backward_launches(plan, True, kept))]
+        lists[arch] = phases
+        dtypes = tensor_dtypes(plan, [ls for _, ls in phases])
+        trips = {id(launch): launch_trips(launch.kernel, launch.grid,
+                                          launch_params(launch, dtypes))
+                 for _, ls in phases for launch in ls}
         for phase, ls in phases:
             for launch in ls:
                 name = launch.kernel.__name__
@@ -208,7 +211,7 @@ def report(shape, dtype="bf16", mode="chunk", archs=(80, 90), gates="key", ptx_d
                          N=plan.N),
            "dtype": short, "mode": mode, "gates": gates, "archs": [f"sm_{a}" for a in archs],
            "alignment_hints": hints, "launches": launches, "kept": list(kept),
-           "workspace_bytes": workspace_bytes(plan, phases[1][1]),
+           "workspace_bytes": workspace_bytes(plan, lists[int(bound_target[3:])][1][1]),
            "lower_bound_us": bounds, "lower_bound_target": bound_target,
            "dynamic_warp_instructions": dynamic,
            "peaks": {"tensor_core_flops": PEAK_TC_FLOPS, "tf32_flops": PEAK_TF32_FLOPS,
