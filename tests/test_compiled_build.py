@@ -351,7 +351,8 @@ with build.for_arch(90):  # sm_90's own tiles (tuning.wgmma)
                     r = build.compile_launch(launch, plan, 90, dtypes=dtypes)
                     name = launch.kernel.__name__ + (".dv" if launch.constexprs.get("DV") else "")
                     out.append([dtype, gates, KV, name, launch.num_warps,
-                                launch.constexprs.get("BV"), r["regs"], r["spill_bytes"]])
+                                launch.constexprs.get("BV"), launch.constexprs.get("BT"),
+                                r["regs"], r["spill_bytes"]])
 print(json.dumps(out))
 '''
 
@@ -363,18 +364,20 @@ def test_fused_chunk_16bit_plans_build_without_spills_on_sm90(tmp_path):
     build for sm_90 with sm_90's tiles without spills: the bf16 forward without gv
     ("lean": fused_chunk.config) at 4 warps (two programs a SM: registers <= 255 at 128
     threads) but with per-key decays at V = 128, there all of V at 8 warps; the dq and
-    dk walks at 4 warps, the dv walk on all of V at 8."""
+    dk walks at 4 warps on 16-token chunks, the dv walk on all of V at 8 on 32-token
+    chunks."""
     got = _compiled_json(tmp_path, _FUSED_CHUNK_16, timeout=1800)
     assert len({(d, g, kv) for d, g, kv, *_ in got}) == 18
     spilled = [row for row in got if row[-1] != 0]
     assert not spilled, spilled
-    lean = {(g, kv): (w, bv) for d, g, kv, name, w, bv, *_ in got
+    lean = {(g, kv): (w, bv) for d, g, kv, name, w, bv, bt, *_ in got
             if d == "bf16" and g != "all" and name == "fused_chunk_fwd_kernel"}
     assert len(lean) == 8
     assert lean == {(g, kv): (8, 128) if kv == 128 and g in ("key", "none") else
                     (4, 64 if kv == 64 and g in ("key", "none") else 32) for g, kv in lean}
-    walks = {(name, w, bv if name.endswith(".dv") else None) for d, g, kv, name, w, bv, *_
-             in got if name.startswith("fused_chunk_bwd_") and "combine" not in name}
+    walks = {(name, w, bv if name.endswith(".dv") else None, bt)
+             for d, g, kv, name, w, bv, bt, *_ in got
+             if name.startswith("fused_chunk_bwd_") and "combine" not in name}
     dkv = "fused_chunk_bwd_dkv_kernel"
-    assert walks == {("fused_chunk_bwd_dq_kernel", 4, None), (dkv, 4, None),
-                     (dkv + ".dv", 8, 64), (dkv + ".dv", 8, 128)}
+    assert walks == {("fused_chunk_bwd_dq_kernel", 4, None, 16), (dkv, 4, None, 16),
+                     (dkv + ".dv", 8, 64, 32), (dkv + ".dv", 8, 128, 32)}

@@ -221,18 +221,25 @@ def test_backward_low_precision(dtype):
     assert_close(run_case(case, dtype, backward=True), dtype)
 
 
-@pytest.mark.parametrize("reverse", [False, True])
-def test_sm90_tiles_bf16(reverse):
+SM90_CASES = [C("sm90", T=70, H=2, Hk=1, K=96, V=100, g="key", initial_state=True),
+              C("sm90-reverse", T=70, H=2, Hk=1, K=96, V=100, g="key", initial_state=True,
+                reverse=True),
+              C("sm90-varlen-head", H=2, Hk=2, K=64, V=100, seqlens=(40, 0, 1, 29),
+                g="head", initial_state=True, packed=True)]
+
+
+@pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: c.name)
+def test_sm90_tiles_bf16(case):
     """On a device of capability 9.x (faked; no SM count, so no split) the bf16 forward
-    takes all of V in one block (BV 128, 8 warps, key blocks of 128) and the dv walk all
-    of V (SV 128, 8 warps), where the CPU's plan takes V blocks of 64 and 32: forward and
-    every gradient within bf16's tolerance of the oracle, across several chunks, with
-    K = 96 and V = 100 padded (masked key and value columns)."""
-    case = C("sm90", T=70, H=2, Hk=1, K=96, V=100, g="key", initial_state=True,
-             reverse=reverse)
+    with per-key decays takes all of V in one block (BV 128, 8 warps, key blocks of 128),
+    the dv walk all of V (SV 128, 8 warps) on 32-token chunks, where the CPU's plan
+    takes V blocks of 64 and 32 and 16-token chunks: forward and every
+    gradient within bf16's tolerance of the oracle, across several chunks, with K = 96 and
+    V = 100 padded (masked key and value columns), reversed, and varlen with an empty and
+    a one-token sequence under a head gate."""
     bf16 = [torch.zeros(1, 1, h, d, dtype=torch.bfloat16) for h, d in ((2, 96), (1, 96),
                                                                        (1, 100))]
-    plan = contract.check(*bf16)
+    plan = contract.check(*bf16, g=torch.zeros(1, 1, 2, 96, dtype=torch.bfloat16))
     narrow = (fused_chunk.config(plan), fused_chunk_bwd.config(plan))
     with tuning.on_device("9.0 Fake GPU"):
         wide = (fused_chunk.config(plan), fused_chunk_bwd.config(plan))
@@ -240,6 +247,8 @@ def test_sm90_tiles_bf16(reverse):
     assert (narrow[0]["BV"], narrow[0]["num_warps"], narrow[1]["SV"]) == (64, 4, 32)
     assert wide[0] == dict(BK=128, BKI=128, BV=128, NV=1, num_warps=8)
     assert wide[1]["SV"] == 128 and wide[1]["warps"]["bwd_dv"] == 8
+    assert wide[1]["chunks"] == dict(bwd_dq=16, bwd_dk=16, bwd_dv=32)
+    assert narrow[1]["chunks"] == dict(bwd_dq=16, bwd_dk=16, bwd_dv=16)
     assert_close(errs, "bfloat16")
 
 

@@ -1,5 +1,6 @@
-"""The on-chip backward of mode="fused_chunk": three walks over 16-token chunks with the
-state or its gradient in registers, then a combine pass; no per-chunk states in HBM.
+"""The on-chip backward of mode="fused_chunk": three walks over chunks of BT tokens (16;
+32 for the dv walk on sm_90, `config`) with the state or its gradient in registers, then
+a combine pass; no per-chunk states in HBM.
 
 Notation of fused_recurrent.py's module docstring (S~_t: the state before step t adds its
 own token; the primed gradients leave out the step's own q.k term). Per chunk, with the
@@ -313,8 +314,7 @@ def fused_chunk_bwd_combine_kernel(
 
 # ---------------------------------------------------------------- launch plan
 
-BT = 16  # chunk length (the forward takes 32)
-LEVELS = BT.bit_length() - 1
+BT = 16  # the combine's chunk length and the walks' default (`config`; the forward takes 32)
 
 
 def supported(plan) -> bool:
@@ -331,10 +331,11 @@ def supported(plan) -> bool:
     return max(plan.K, plan.V) <= (128 if wide else 64)
 
 
-# The walks' launch sites (fused_chunk.SITES: the device table may set their warps), with
-# the candidates the GPU kit's sweep tries
-SITES = {"bwd_dq": dict(num_warps=(4, 8)), "bwd_dk": dict(num_warps=(4, 8)),
-         "bwd_dv": dict(num_warps=(4, 8), SV=(32, 64, 128))}
+# The walks' launch sites (fused_chunk.SITES: the device table may set their warps and
+# chunk lengths), with the candidates the GPU kit's sweep tries
+SITES = {"bwd_dq": dict(num_warps=(4, 8), BT=(16, 32)),
+         "bwd_dk": dict(num_warps=(4, 8), BT=(16, 32)),
+         "bwd_dv": dict(num_warps=(4, 8), SV=(32, 64, 128), BT=(16, 32))}
 
 
 def config(plan) -> dict:
@@ -342,22 +343,27 @@ def config(plan) -> dict:
     of V), 64 for 16-bit inputs; SV: the V blocks of the dv walk (all of K), 32 (its A
     levels beside the state; 64 spilled on sm_80), 16 for fp32 (FMA products); warps:
     4 in 16 bits (two programs a SM without spills; A's [16, 16] products repeat on
-    fewer warps than at 8), 8 in fp32 (4 spilled); on sm_90 (tuning.wgmma), 16
-    bits: the dv walk on all of V at 8 warps (A's levels once a head instead of once a
-    V block; spilled on sm_80); each walk's the device table's entry where it has one
-    (`SITES`)."""
+    fewer warps than at 8), 8 in fp32 (4 spilled); chunks: each walk's chunk length, BT;
+    on sm_90 (tuning.wgmma), 16 bits: the dv walk on all of V at 8 warps on 32-token
+    chunks (A's levels once a head instead of once a V block, half the serial steps;
+    spilled on sm_80; the dq and dk walks on 32-token chunks spilled at 4 warps on sm_90,
+    in fp16 and under triton 3.6, and ran two waves at 8); each walk's the device
+    table's entry where it has one (`SITES`)."""
     BK, BV = max(16, next_pow2(plan.K)), max(16, next_pow2(plan.V))
     wide = plan.dtype in ("bfloat16", "float16")
     warps = 4 if wide else 8
-    knobs = {site: tuning.pick(plan, "fused_chunk", site, dict(num_warps=warps)) for site in
-             ("bwd_dq", "bwd_dk")}
-    # sm_90: all of V in one dv walk (A's levels built once a head) at 8 warps
+    # sm_90: the dv walk on all of V (A's levels built once a head) at 8 warps, on 32-token
+    # chunks (half the serial steps)
     whole = wide and tuning.wgmma()
+    knobs = {site: tuning.pick(plan, "fused_chunk", site, dict(num_warps=warps, BT=BT))
+             for site in ("bwd_dq", "bwd_dk")}
     knobs["bwd_dv"] = tuning.pick(plan, "fused_chunk", "bwd_dv",
                                   dict(num_warps=8 if whole else warps,
-                                       SV=BV if whole else 32 if wide else 16))
+                                       SV=BV if whole else 32 if wide else 16,
+                                       BT=32 if whole else BT))
     return dict(BK=BK, BV=BV, SK=min(64 if wide else 16, BK), SV=min(knobs["bwd_dv"]["SV"], BV),
-                warps={site: k["num_warps"] for site, k in knobs.items()})
+                warps={site: k["num_warps"] for site, k in knobs.items()},
+                chunks={site: k["BT"] for site, k in knobs.items()})
 
 
 def launches(plan, use_dht: bool) -> list:
@@ -368,10 +374,13 @@ def launches(plan, use_dht: bool) -> list:
     B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
     nk, nv = -(-K // c["SK"]), -(-V // c["SV"])
     fl = flags(plan)
-    consts = dict(H=fl["H"], HK=fl["HK"], K=K, V=V, BT=BT, G_MODE=fl["G_MODE"],
+    consts = dict(H=fl["H"], HK=fl["HK"], K=K, V=V, G_MODE=fl["G_MODE"],
                   USE_GK=fl["USE_GK"], GAMMA_MODE=fl["GAMMA_MODE"], USE_H0=plan.initial_state,
-                  USE_DHT=use_dht, IS_VARLEN=plan.varlen, REVERSE=plan.reverse, LEVELS=LEVELS,
+                  USE_DHT=use_dht, IS_VARLEN=plan.varlen, REVERSE=plan.reverse,
                   DOT_PREC=chunk.dot_precision())
+    # each walk's chunk length BT and its levels, log2 BT
+    walk = {site: dict(consts, BT=bt, LEVELS=bt.bit_length() - 1)
+            for site, bt in c["chunks"].items()}
     gates = present(plan, "g", "gk", "g_gamma")
     cu = varlen_input(plan)
     dht = "dfinal_state" if use_dht else None
@@ -379,14 +388,17 @@ def launches(plan, use_dht: bool) -> list:
     own = plan.group == 1
     isz = ITEMSIZE[plan.dtype]
     tokens = B * T
-    chunks = T // BT + N if plan.varlen else B * -(-T // BT)
-    levels = LEVELS if plan.g != "none" or plan.gk else 1
-    # dot products per chunk and head (x 2 BT for FLOPs): the state products (2 [BT,K]x[K,V]
-    # and the update), dA and its level products (2 pieces each) ...
-    state, d_a, lv = K * V, BT * V, levels * 2 * BT * K
-    fl_dq = 2 * BT * chunks * H * (2 * state + d_a + lv)
-    fl_dk = 2 * BT * chunks * H * (2 * state + d_a + lv)
-    fl_dv = 2 * BT * chunks * H * (2 * state + levels * BT * (K + V))
+    gated = plan.g != "none" or plan.gk
+
+    def dot_flops(site):
+        """Per chunk and head (x 2 bt for FLOPs): the state products (2 [bt,K]x[K,V] and the
+        update), and dA and its level products (2 pieces each) or A's levels and A^T do."""
+        bt = c["chunks"][site]
+        chunks = T // bt + N if plan.varlen else B * -(-T // bt)
+        levels = bt.bit_length() - 1 if gated else 1
+        inner = (bt * V + levels * 2 * bt * K if site != "bwd_dv" else levels * bt * (K + V))
+        return int(2 * bt * chunks * H * (2 * K * V + inner))
+
     f32 = tokens * H * K * 4
     qkvdo = tokens * (H * K + plan.Hk * (K + V) + H * V) * isz
     return [
@@ -397,14 +409,16 @@ def launches(plan, use_dht: bool) -> list:
                scalars=dict(scale=plan.scale, T=T),
                outputs=dict(dq=Out("dq_prime", (B, T, H, K)),
                             dfa=Out("dfa", (N, H, K)) if final_a else None),
-               constexprs=dict(consts, BK=c["SK"], BV=c["BV"], NK=nk),
-               num_warps=c["warps"]["bwd_dq"], dot_flops=int(fl_dq), bytes=int(qkvdo + f32)),
+               constexprs=dict(walk["bwd_dq"], BK=c["SK"], BV=c["BV"], NK=nk),
+               num_warps=c["warps"]["bwd_dq"], dot_flops=dot_flops("bwd_dq"),
+               bytes=int(qkvdo + f32)),
         Launch(fused_chunk_bwd_dkv_kernel, grid=(nk * N * H,),
                inputs=dict(q="q", k="k", v="v", **gates, **cu, do="do", dht=dht),
                scalars=dict(scale=plan.scale, T=T),
                outputs=dict(dk=Out("dk_prime", (B, T, H, K)), dv=None, dh0=None),
-               constexprs=dict(consts, BK=c["SK"], BV=c["BV"], NK=nk, NV=1, DK=True, DV=False),
-               num_warps=c["warps"]["bwd_dk"], dot_flops=int(fl_dk),
+               constexprs=dict(walk["bwd_dk"], BK=c["SK"], BV=c["BV"], NK=nk, NV=1, DK=True,
+                               DV=False),
+               num_warps=c["warps"]["bwd_dk"], dot_flops=dot_flops("bwd_dk"),
                bytes=int(qkvdo + tokens * H * K * isz + f32)),
         Launch(fused_chunk_bwd_dkv_kernel, grid=(nv * N * H,),
                inputs=dict(q="q", k="k", v="v", **gates, **cu, do="do", dht=dht),
@@ -413,8 +427,9 @@ def launches(plan, use_dht: bool) -> list:
                             dv=Out("dv_h", (B, T, H, V), "like:v" if own else "float32"),
                             dh0=Out("d_initial_state", (N, H, K, V))
                             if plan.initial_state else None),
-               constexprs=dict(consts, BK=c["BK"], BV=c["SV"], NK=1, NV=nv, DK=False, DV=True),
-               num_warps=c["warps"]["bwd_dv"], dot_flops=int(fl_dv),
+               constexprs=dict(walk["bwd_dv"], BK=c["BK"], BV=c["SV"], NK=1, NV=nv, DK=False,
+                               DV=True),
+               num_warps=c["warps"]["bwd_dv"], dot_flops=dot_flops("bwd_dv"),
                bytes=int(qkvdo + tokens * H * K * isz + tokens * H * V * (isz if own else 4))),
         Launch(fused_chunk_bwd_combine_kernel, grid=(N * H,),
                inputs=dict(q="q", k="k", v="v", do="do", **cu, dq_prime="dq_prime",
