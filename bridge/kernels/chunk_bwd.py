@@ -28,10 +28,10 @@ cancelling terms (in fp16 the cancellation of separately rounded products lost
 import triton
 import triton.language as tl
 
-from .chunk_scan import (decay_pieces, levels_into, scan, scan_matrix, scan_v, split_pieces,
-                         sum_rows, to_chunk_end)
+from .chunk_scan import (decay_pieces, levels_into, scan, scan_matrix, scan_v, sum_rows,
+                         to_chunk_end)
 from .common import (LOG2E, block_rows, decay_k, decay_v, first_slot, head_gamma, load_rows,
-                     seq_bounds, slot_chunk, op_dot, wide_dtype)
+                     seq_bounds, slot_chunk, op_dot, split_pieces, wide_dtype)
 
 
 @triton.jit

@@ -16,7 +16,7 @@ one exponential tile serving dq and dk.
 import triton
 import triton.language as tl
 
-from .common import LOG2E, decay_v, op_dot, split_dot
+from .common import LOG2E, decay_v, op_dot, split_dot, split_pieces
 
 
 @triton.jit
@@ -49,19 +49,6 @@ def decay_pieces(op, gate, one_gate):
     decays (or other fp32 values) exactly for a tensor-core product with a 0/1
     matrix: 1 when they are one gate of that dtype, else 3 (24 bits, as fp32)."""
     return 1 if one_gate and gate == op else 3
-
-
-@triton.jit
-def split_pieces(a, op: tl.constexpr, PIECES: tl.constexpr):
-    """a [BT, D] (fp32, or fp64 rounded to fp32) as PIECES tiles of dtype op
-    summing to it (see decay_pieces)."""
-    a = a.to(tl.float32)
-    a0 = a.to(op)
-    if PIECES == 1:
-        return a0, a0, a0
-    r1 = a - a0.to(tl.float32)
-    a1 = r1.to(op)
-    return a0, a1, (r1 - a1.to(tl.float32)).to(op)
 
 
 @triton.jit

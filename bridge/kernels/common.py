@@ -382,16 +382,28 @@ def seg_matrix(o_t, h, DT: tl.constexpr):
 
 
 @triton.jit
+def split_pieces(a, op: tl.constexpr, PIECES: tl.constexpr):
+    """a [BT, D] (fp32, or fp64 rounded to fp32) as PIECES (1 or 3) tiles of dtype op
+    summing to it: its rounding to op, then the rounding of what that lost, then the
+    rest (8 + 8 + 8 of fp32's 24 significand bits for bfloat16, each piece exact);
+    chunk_scan.decay_pieces says how many a table product needs."""
+    a = a.to(tl.float32)
+    a0 = a.to(op)
+    if PIECES == 1:
+        return a0, a0, a0
+    r1 = a - a0.to(tl.float32)
+    a1 = r1.to(op)
+    return a0, a1, (r1 - a1.to(tl.float32)).to(op)
+
+
+@triton.jit
 def seg_sums(c, a, DT: tl.constexpr):
     """c @ a, fp32 [BT, BD], for a 0/1 matrix c (seg_matrix) and decays a
     [BT, BD] from decay_k_in: fp32 sums of a's own values. One tensor-core
-    product when a is exact in DT; an fp32 a is split into three bfloat16 parts
-    (8 + 8 + 8 of its 24 significand bits, each part exact)."""
+    product when a is exact in DT; an fp32 a in three bfloat16 pieces
+    (split_pieces)."""
     if DT == tl.float32:
-        hi = a.to(tl.bfloat16)
-        r = a - hi.to(tl.float32)
-        mid = r.to(tl.bfloat16)
-        lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+        hi, mid, lo = split_pieces(a, tl.bfloat16, 3)
         s = tl.dot(c, hi)
         s = tl.dot(c, mid, s)
         return tl.dot(c, lo, s)
