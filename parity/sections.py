@@ -1,6 +1,6 @@
 """Sections of BENCHMARKS.md that separate commands own (`## GPU`: python -m parity.gpu;
-`## Training parity`: python -m parity.train; the tuning history, by hand): read one, or
-replace one in place."""
+`## Training parity`: python -m parity.train; the tuning history and the time model's,
+by hand): read one, or replace one in place."""
 
 
 def _bounds(lines: list, heading: str):

@@ -74,15 +74,26 @@ def test_quick_end_to_end(tmp_path):
     main(["--render", str(tmp_path / "results.json"), "--out", str(tmp_path),
           "--md", str(tmp_path / "again.md")])
     assert (tmp_path / "again.md").read_text() == md
-    # what no bench command measures survives a rewrite: parity.train's section, the tuning history
+    # what no bench command measures survives a rewrite: parity.train's section, the tuning
+    # history, the time model's section (in its place, after the TPU readiness)
     kept = tmp_path / "kept.md"
-    kept.write_text("# old\n\n## Training parity\n\nsteps\n\n"
+    kept.write_text("# old\n\n## Time model and fused_chunk (compiled, not run)\n\nmodel\n\n"
+                    "## Training parity\n\nsteps\n\n"
                     "## Tuning history of the CPU paths\n\nknobs\n")
     main(["--render", str(tmp_path / "results.json"), "--out", str(tmp_path), "--md", str(kept)])
     text = kept.read_text()
     assert "| T | torch-native |" in text and "# old" not in text
     assert text.endswith("## Training parity\n\nsteps\n\n## Tuning history of the CPU paths\n\n"
                          "knobs\n")
+    assert ("## TPU readiness" in text.split("## Time model and fused_chunk (compiled, not "
+                                             "run)\n\nmodel\n\n## torch.compile time")[0])
+    if importlib.util.find_spec("matplotlib") is None:
+        # without matplotlib a render keeps the plots already there (none in this folder)
+        assert "![" not in text
+        (tmp_path / "time_vs_T_B1_H2_K16_V16.png").write_bytes(b"")
+        main(["--render", str(tmp_path / "results.json"), "--out", str(tmp_path), "--md",
+              str(kept)])
+        assert "![time_vs_T_B1_H2_K16_V16.png](time_vs_T_B1_H2_K16_V16.png)" in kept.read_text()
 
 
 # ------------------------------------------------------------------ the check

@@ -46,6 +46,12 @@ WIDE = [
                                   g="head", g_gamma="head", initial_state=True)),
     ("fused_chunk", "float32", C("k260-key-gv-varlen-reverse", H=1, Hk=1, K=260, V=16,
                                  g="key", gv=True, seqlens=(7, 0, 33), reverse=True)),
+    # 16 bits with gv: V blocks of 16, K blocks of 64 in bf16 and 32 in fp16
+    # (fused_chunk.config), their partial outputs summed in fp32
+    ("fused_chunk", "bfloat16", C("k320-key-gv-h0", T=40, H=1, Hk=1, K=320, V=24, g="key",
+                                  gv=True, initial_state=True)),
+    ("fused_chunk", "float16", C("k300-head-gv-gqa", T=12, H=2, Hk=1, K=300, V=20, g="head",
+                                 gv=True)),
 ]
 
 

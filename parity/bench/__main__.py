@@ -247,7 +247,7 @@ def _write_outputs(args, records, impls, machine, checks, gpu_section, json_path
     from ..train import report as train_report
 
     old = open(md_path).read() if os.path.exists(md_path) else ""
-    for heading in (train_report.HEADING, TUNING_HISTORY):
+    for heading in (train_report.HEADING, TUNING_HISTORY, report.BY_HAND):
         body = section_body(old, heading)
         if body is not None:
             text = replace_section(text, body, heading)

@@ -1,11 +1,11 @@
 """BENCHMARKS.md's "GPU readiness" and "TPU readiness (compiled, not run)" sections:
-the AOT report (`python -m parity.compiled --report`) of both Triton kernel families at
-the reference shape, bf16, with the lower bounds it derives, next to
-flash-linear-attention's published timings; the SASS instruction model of the
-chunk kernels against fla's own (`--compare-fla`, when fla-core is installed)
-with issue 30's targets met / NOT met; and the Mosaic report of the Pallas
-kernels (`python -m jax_side.tpu_report`) at the same shape. Compiling needs no
-GPU or TPU, so every run of the benchmark can refresh them; nothing in them is a
+the AOT report (`python -m parity.compiled --report`) of the three Triton kernel
+families at the reference shape, bf16 (each arch's own launch lists), with the lower
+bounds it derives, next to flash-linear-attention's published timings; the SASS
+instruction model of the chunk kernels against fla's own (`--compare-fla`, when
+fla-core is installed) with issue 30's targets met / NOT met; and the Mosaic report of
+the Pallas kernels (`python -m jax_side.tpu_report`) at the same shape. Compiling needs
+no GPU or TPU, so every run of the benchmark can refresh them; nothing in them is a
 measured time."""
 
 import json
@@ -14,7 +14,8 @@ import subprocess
 import sys
 
 SHAPE = (8, 4096, 16, 128, 128)  # B, T, H, K, V
-RUNS = (("chunk", "key"), ("fused_recurrent", "key"), ("chunk", "all"))
+RUNS = (("chunk", "key"), ("fused_recurrent", "key"), ("chunk", "all"),
+        ("fused_chunk", "key"))
 COMPARED = ("chunk", "key")  # the run compared with fla's chunk_gla (GLA, key gate)
 
 # flash-linear-attention's README (chunk_gla, bf16, on a GB200; ms, fwd / fwd+bwd).

@@ -315,6 +315,8 @@ def markdown(records, impls, baselines, machine, checks, plots=(), gpu=None,
 
     lines += ["## GPU readiness (compiled, not run)", "", section(readiness), ""]
     lines += ["## TPU readiness (compiled, not run)", "", tpu_section(readiness), ""]
+    lines += [BY_HAND, "", "written by hand from `python -m parity.compiled --compare`; "
+              "not in this file before (a render keeps what the file has here).", ""]
     from .compile_time import section as compile_section
 
     lines += ["## torch.compile time (CPU)", "",
@@ -338,25 +340,39 @@ def write_json(path, records, machine, checks, gpu=None, readiness=None, compile
                    "profile": profile, "multidevice": multidevice}, f, indent=1)
 
 
+PLOT = "time_vs_T_B{}_H{}_K{}_V{}.png"  # one a shape
+# a section of BENCHMARKS.md written by hand between the generated ones (kept by a render)
+BY_HAND = "## Time model and fused_chunk (compiled, not run)"
+
+
+def _shapes(records) -> list:
+    """The records' (B,H,K,V) shapes, in order of first appearance."""
+    shapes = []
+    for r in records:
+        if tuple(r["shape"]) not in shapes:
+            shapes.append(tuple(r["shape"]))
+    return shapes
+
+
 def plot(records, impls, out_dir) -> list:
     """One PNG per shape: time vs T, log-log, one line per implementation,
-    forward and forward+backward panels. Returns the file paths (none, with a
-    message, where matplotlib is not installed: it comes with the `bench` extra)."""
+    forward and forward+backward panels. Returns the file paths (where matplotlib is not
+    installed, it comes with the `bench` extra: the PNGs already in out_dir, with a
+    message)."""
     try:
         import matplotlib
     except ImportError:
-        print("no plot: matplotlib is not installed (pip install -e '.[bench]')", file=sys.stderr)
-        return []
+        kept = [p for p in (os.path.join(out_dir, PLOT.format(*s)) for s in _shapes(records))
+                if os.path.exists(p)]
+        print("no plot: matplotlib is not installed (pip install -e '.[bench]'); the plots "
+              f"already there kept ({len(kept)})", file=sys.stderr)
+        return kept
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     paths = []
-    shapes = []
-    for r in records:
-        if tuple(r["shape"]) not in shapes:
-            shapes.append(tuple(r["shape"]))
-    for shape in shapes:
+    for shape in _shapes(records):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
         for ax, mode in zip(axes, ("fwd", "fwdbwd")):
             for n, i in enumerate(impls):  # one fixed colour per implementation in both panels
@@ -374,7 +390,7 @@ def plot(records, impls, out_dir) -> list:
         for ax in axes:
             ax.legend(fontsize=8)
         fig.tight_layout()
-        path = os.path.join(out_dir, "time_vs_T_B{}_H{}_K{}_V{}.png".format(*shape))
+        path = os.path.join(out_dir, PLOT.format(*shape))
         fig.savefig(path, dpi=90)
         plt.close(fig)
         paths.append(path)
