@@ -252,6 +252,22 @@ def test_sm90_tiles_bf16(case):
     assert_close(errs, "bfloat16")
 
 
+@pytest.mark.parametrize("case", SM90_CASES[1:], ids=lambda c: c.name)
+def test_dk_in_the_dv_walk(case):
+    """The device table's with_dk (a sweep candidate): where the dv walk has all of V it
+    also writes dk', one reverse walk instead of two; against the oracle, reversed and
+    varlen with an empty and a one-token sequence under a head gate."""
+    with tuning.on_device("9.0 Fake GPU"), tuning.overriding(
+            {("fused_chunk", "bwd_dv"): dict(with_dk=True, BT=16)}):
+        arrays = backends.prepared(case, "bfloat16", 0)
+        plan, _, _ = cases.launch_env(case, arrays, "bfloat16")
+        walks = [ln.constexprs for ln in fused_chunk_bwd.launches(plan, True)
+                 if ln.kernel is fused_chunk_bwd.fused_chunk_bwd_dkv_kernel]
+        errs = run_case(case, "bfloat16", backward=True)
+    assert [(w["DK"], w["DV"], w["BT"]) for w in walks] == [(True, True, 16)]
+    assert_close(errs, "bfloat16")
+
+
 def test_k_too_large_raises():
     qk = np.zeros((1, 2, 1, 513), np.float32)
     plan = contract.check(qk, qk, np.zeros((1, 2, 1, 8), np.float32))

@@ -335,7 +335,8 @@ def supported(plan) -> bool:
 # chunk lengths), with the candidates the GPU kit's sweep tries
 SITES = {"bwd_dq": dict(num_warps=(4, 8), BT=(16, 32)),
          "bwd_dk": dict(num_warps=(4, 8), BT=(16, 32)),
-         "bwd_dv": dict(num_warps=(4, 8), SV=(32, 64, 128), BT=(16, 32))}
+         "bwd_dv": dict(num_warps=(4, 8), SV=(32, 64, 128), BT=(16, 32),
+                        with_dk=(False, True))}
 
 
 def config(plan) -> dict:
@@ -347,8 +348,10 @@ def config(plan) -> dict:
     on sm_90 (tuning.wgmma), 16 bits: the dv walk on all of V at 8 warps on 32-token
     chunks (A's levels once a head instead of once a V block, half the serial steps;
     spilled on sm_80; the dq and dk walks on 32-token chunks spilled at 4 warps on sm_90,
-    in fp16 and under triton 3.6, and ran two waves at 8); each walk's the device
-    table's entry where it has one (`SITES`)."""
+    in fp16 and under triton 3.6, and ran two waves at 8); with_dk: the dv walk also
+    writes dk' where it has all of V (one reverse walk instead of two; off by default:
+    at K = V = 128 it spilled without gates under triton 3.6 and in fp16, a sweep
+    candidate); each walk's the device table's entry where it has one (`SITES`)."""
     BK, BV = max(16, next_pow2(plan.K)), max(16, next_pow2(plan.V))
     wide = plan.dtype in ("bfloat16", "float16")
     warps = 4 if wide else 8
@@ -360,10 +363,12 @@ def config(plan) -> dict:
     knobs["bwd_dv"] = tuning.pick(plan, "fused_chunk", "bwd_dv",
                                   dict(num_warps=8 if whole else warps,
                                        SV=BV if whole else 32 if wide else 16,
-                                       BT=32 if whole else BT))
-    return dict(BK=BK, BV=BV, SK=min(64 if wide else 16, BK), SV=min(knobs["bwd_dv"]["SV"], BV),
+                                       BT=32 if whole else BT, with_dk=False))
+    SV = min(knobs["bwd_dv"]["SV"], BV)
+    return dict(BK=BK, BV=BV, SK=min(64 if wide else 16, BK), SV=SV,
                 warps={site: k["num_warps"] for site, k in knobs.items()},
-                chunks={site: k["BT"] for site, k in knobs.items()})
+                chunks={site: k["BT"] for site, k in knobs.items()},
+                with_dk=bool(knobs["bwd_dv"]["with_dk"]) and SV >= BV)
 
 
 def launches(plan, use_dht: bool) -> list:
@@ -401,6 +406,7 @@ def launches(plan, use_dht: bool) -> list:
 
     f32 = tokens * H * K * 4
     qkvdo = tokens * (H * K + plan.Hk * (K + V) + H * V) * isz
+    merged = c["with_dk"]
     return [
         Launch(fused_chunk_bwd_dq_kernel, grid=(nk * N * H,),
                inputs=dict(q="q", k="k", v="v", **gates,
@@ -412,25 +418,29 @@ def launches(plan, use_dht: bool) -> list:
                constexprs=dict(walk["bwd_dq"], BK=c["SK"], BV=c["BV"], NK=nk),
                num_warps=c["warps"]["bwd_dq"], dot_flops=dot_flops("bwd_dq"),
                bytes=int(qkvdo + f32)),
-        Launch(fused_chunk_bwd_dkv_kernel, grid=(nk * N * H,),
-               inputs=dict(q="q", k="k", v="v", **gates, **cu, do="do", dht=dht),
-               scalars=dict(scale=plan.scale, T=T),
-               outputs=dict(dk=Out("dk_prime", (B, T, H, K)), dv=None, dh0=None),
-               constexprs=dict(walk["bwd_dk"], BK=c["SK"], BV=c["BV"], NK=nk, NV=1, DK=True,
-                               DV=False),
-               num_warps=c["warps"]["bwd_dk"], dot_flops=dot_flops("bwd_dk"),
-               bytes=int(qkvdo + tokens * H * K * isz + f32)),
+        *([] if merged else [Launch(
+            fused_chunk_bwd_dkv_kernel, grid=(nk * N * H,),
+            inputs=dict(q="q", k="k", v="v", **gates, **cu, do="do", dht=dht),
+            scalars=dict(scale=plan.scale, T=T),
+            outputs=dict(dk=Out("dk_prime", (B, T, H, K)), dv=None, dh0=None),
+            constexprs=dict(walk["bwd_dk"], BK=c["SK"], BV=c["BV"], NK=nk, NV=1, DK=True,
+                            DV=False),
+            num_warps=c["warps"]["bwd_dk"], dot_flops=dot_flops("bwd_dk"),
+            bytes=int(qkvdo + tokens * H * K * isz + f32))]),
+        # the dv walk (with_dk: and dk', all of K and V in one program)
         Launch(fused_chunk_bwd_dkv_kernel, grid=(nv * N * H,),
                inputs=dict(q="q", k="k", v="v", **gates, **cu, do="do", dht=dht),
                scalars=dict(scale=plan.scale, T=T),
-               outputs=dict(dk=None,
+               outputs=dict(dk=Out("dk_prime", (B, T, H, K)) if merged else None,
                             dv=Out("dv_h", (B, T, H, V), "like:v" if own else "float32"),
                             dh0=Out("d_initial_state", (N, H, K, V))
                             if plan.initial_state else None),
-               constexprs=dict(walk["bwd_dv"], BK=c["BK"], BV=c["SV"], NK=1, NV=nv, DK=False,
+               constexprs=dict(walk["bwd_dv"], BK=c["BK"], BV=c["SV"], NK=1, NV=nv, DK=merged,
                                DV=True),
-               num_warps=c["warps"]["bwd_dv"], dot_flops=dot_flops("bwd_dv"),
-               bytes=int(qkvdo + tokens * H * K * isz + tokens * H * V * (isz if own else 4))),
+               num_warps=c["warps"]["bwd_dv"],
+               dot_flops=dot_flops("bwd_dv") + (dot_flops("bwd_dk") if merged else 0),
+               bytes=int(qkvdo + tokens * H * K * isz + tokens * H * V * (isz if own else 4)
+                         + (f32 if merged else 0))),
         Launch(fused_chunk_bwd_combine_kernel, grid=(N * H,),
                inputs=dict(q="q", k="k", v="v", do="do", **cu, dq_prime="dq_prime",
                            dk_prime="dk_prime", dfa="dfa" if final_a else None),
