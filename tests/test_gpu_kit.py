@@ -436,3 +436,23 @@ def test_property_log_gives_the_shrunk_case(tmp_path):
     assert b == dict(passed=True, shrunk=None, checked=40, seconds=30.2)
     assert c["passed"] is None and c["shrunk"] == "(Case(T=2), ...)"
     assert read_properties(str(tmp_path / "none"), 1, 2)["backends"] == {}
+
+
+def test_sweep_leaves_out_candidates_that_change_nothing():
+    """The full plan's sweep (planning only, no GPU): every candidate of a site gives other
+    launch lists than the site's earlier ones (parity.gpu.sweep.by_site), the defaults
+    first; fused_chunk's with_dk stays only where the dv walk has all of V (SV 128 at the
+    reference V = 128), and its forward's 12 tilings (warps x BKI x BV) all stay."""
+    from parity.gpu import sweep
+    from parity.gpu.plan import FULL
+
+    sites = {(gates, key): (p, mode, cands) for gates, mode, p, key, cands in
+             sweep.by_site(FULL)}
+    for (gates, (fam, site)), (p, mode, cands) in sites.items():
+        lists = [repr(sweep._lists(p, mode, {(fam, site): k})) for _, _, k in cands]
+        assert len(set(lists)) == len(lists), (gates, site)
+        assert cands[0][2] == tuning.sites(p, mode)[(fam, site)], (gates, site)
+    dv = [k for _, _, k in sites["key", ("fused_chunk", "bwd_dv")][2]]
+    assert {k["SV"] for k in dv if k["with_dk"]} == {128}
+    assert len(dv) == 16  # 2 warps x 3 V blocks x 2 chunk lengths, + with_dk at SV 128
+    assert len(sites["key", ("fused_chunk", "fused_chunk_fwd_kernel")][2]) == 12

@@ -22,7 +22,7 @@ one CPU core; 16 cores):
                                  beyond test_cuda.py, plus the example running when the
                                  time ends). Beside it (ahead.py): 4 workers compile ours
                                  (the ~45 variants the timed steps run, then the sweep's
-                                 ~230 candidates, ~2 s each), 6 compile fla's ~190
+                                 ~290 candidates, ~2 s each), 6 compile fla's ~190
                                  autotune configs (~60-90 s a worker)
   tune         cap 60   est 40   what is left of those compiles (40 s further along than
                                  before the property tests lengthened the correctness
@@ -35,7 +35,7 @@ one CPU core; 16 cores):
   varlen       cap 30   est 15   ~47k tokens: 3 impls x 2 modes
   decode       cap 25   est 12   3 batches x 2 layers x (2 warm-up + 5 timed) runs
   kernels      cap 40   est 20   one profiled forward+backward per implementation
-  sweep        cap 100  est 70   ~230 candidates (two gate sets, both families), each
+  sweep        cap 100  est 70   ~290 candidates (two gate sets, every family), each
                                  launch timed once warm (compiled ahead)
 
   quick: budget 180 s. T = 4096 only; pytest on the first case's chunked kernels (no

@@ -77,14 +77,19 @@ def affected(p, mode, site, cands) -> list:
 
 
 def by_site(plan):
-    """[(gates, mode, bridge Plan, (family, site), [candidates])] of the sweep."""
+    """[(gates, mode, bridge Plan, (family, site), [candidates])] of the sweep; a candidate
+    whose launch lists equal an earlier one's of its site (knobs that change nothing at
+    this call: a V block past V, fused_chunk's with_dk without all of V) is left out."""
     out = []
     for gates in plan.sweep_gates:
         p = call_plan(plan, gates)
         for mode in plan.launch_families:
-            groups = {}
+            groups, seen = {}, set()
             for fam, site, knobs in tuning.candidates(p, mode, quick=plan.sweep_quick):
-                groups.setdefault((fam, site), []).append((fam, site, knobs))
+                lists = (site, repr(_lists(p, mode, {(fam, site): knobs})))
+                if lists not in seen:
+                    seen.add(lists)
+                    groups.setdefault((fam, site), []).append((fam, site, knobs))
             out += [(gates, mode, p, key, cands) for key, cands in groups.items()]
     return out
 
