@@ -178,6 +178,30 @@ def test_kernels_section_pairs_device_times_with_the_model(clean):
     assert all(len(r["config"]) == 2 and len(r["model_config"]) == 2 for r in chunk + fam)
     differ = [r for r in chunk + fam if r["config"] != r["model_config"]]
     assert differ and "(model: " in md
+    # the time model per kernel (the dry run's stand-in: the H200's), from the report's
+    # sm_90 records, and its error summed over the kernels it has
+    from parity.compiled import timemodel
+
+    assert k["result"]["time_model"] == "H200 SXM"
+    recs = {(r["phase"], r["kernel"]): r for r in next(
+        rep for rep in json.load(open(kernels.READINESS))["readiness"]["gpu"]
+        if rep["mode"] == "fused_recurrent")["launches"] if r["target"] == "sm_90"}
+    for r in fam:
+        want = timemodel.launch_time(recs[r["phase"], r["kernel"]], timemodel.HARDWARE["H200"])
+        assert r["model_us"] == pytest.approx(want["total"] * 1e6)
+    for impl in ("ours chunk (torch)", "ours fused_recurrent (torch)",
+                 "ours fused_chunk (torch)"):
+        mine = [r for r in rows if r["impl"] == impl]
+        assert all(r.get("model_us") for r in mine), impl
+        assert k["result"]["model_error"][impl] == pytest.approx(
+            sum(r["model_us"] for r in mine) / sum(r["us"] for r in mine) - 1)
+    assert "time model us (error)" in md and "summed over the kernels it has" in md
+
+
+def test_time_model_by_device_name():
+    assert kernels.modelled_gpu("NVIDIA H200").name == "H200 SXM"
+    assert kernels.modelled_gpu("NVIDIA H100 80GB HBM3").name == "H100 SXM"
+    assert kernels.modelled_gpu("NVIDIA A100-SXM4-80GB") is None
 
 
 def test_rank_correlation_and_stages():

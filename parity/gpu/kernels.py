@@ -4,10 +4,12 @@ profiled (`torch.profiler`, CUDA activity only; forward and backward in two sess
 each kernel's name, grid and device time. Beside each of our kernels, the instruction
 model's prediction from the committed AOT report (BENCHMARKS.md "GPU readiness":
 dynamic warp-instructions, registers, CTAs per SM, the most bar.sync in a loop body),
-how well the model ranks our kernels (Spearman's rank correlation of predicted
-instructions and measured time), and the stages (state, intra, output; dA, dv, dq/dk)
-ours against fla's. The dry run's stand-in: each of our launches timed alone by a host
-clock in the interpreter; fla's stand-ins launch no kernels of fla's.
+on an H100 or H200 the time model's microseconds (parity/compiled/timemodel.py) and its
+error against the device time, per kernel and in sum, how well the model ranks our
+kernels (Spearman's rank correlation of predicted instructions and measured time), and
+the stages (state, intra, output; dA, dv, dq/dk) ours against fla's. The dry run's
+stand-in: each of our launches timed alone by a host clock in the interpreter, beside
+the H200's time model; fla's stand-ins launch no kernels of fla's.
 """
 
 import json
@@ -122,10 +124,12 @@ def host_timed(family, plan) -> list:
             for r in gpu.launch_times(family, size, 1.0, 1.0, plan.device, rep_ms=1)]
 
 
-def model(mode, target, path=READINESS) -> dict:
+def model(mode, target, path=READINESS, gpu=None) -> dict:
     """{(phase, kernel, occurrence): prediction} from the committed AOT report of `mode`
     (key gate) for `target` ("sm_90"): dynamic warp-instructions, registers, CTAs per
-    SM, the most bar.sync in a loop body."""
+    SM, the most bar.sync in a loop body, and with `gpu` (parity.compiled.timemodel's
+    HARDWARE entry) the time model's microseconds for an sm_90 launch ("model_us")."""
+    from parity.compiled import timemodel
     from parity.compiled.report import max_loop_bars
 
     try:
@@ -142,8 +146,17 @@ def model(mode, target, path=READINESS) -> dict:
         out[(r["phase"], r["kernel"], n)] = dict(
             model_dynamic=r.get("dynamic"), model_regs=r.get("n_regs"),
             model_ctas_per_sm=r.get("ctas_per_sm"), model_bars=max_loop_bars(r),
-            model_config=[r.get("num_warps"), r.get("num_stages")])
+            model_config=[r.get("num_warps"), r.get("num_stages")],
+            **({"model_us": timemodel.launch_time(r, gpu)["total"] * 1e6}
+               if gpu is not None and timemodel.modelled([r]) else {}))
     return out
+
+
+def modelled_gpu(name: str):
+    """The time model's HARDWARE entry for a device name ("NVIDIA H200" -> H200), or None."""
+    from parity.compiled import timemodel
+
+    return next((g for key, g in timemodel.HARDWARE.items() if key in name), None)
 
 
 def launch_configs(plan, mode) -> dict:
@@ -184,11 +197,12 @@ def spearman(xs, ys):
     return float(np.corrcoef(rx, ry)[0, 1])
 
 
-def annotate(rows, mode, target, ran=None) -> list:
+def annotate(rows, mode, target, ran=None, gpu=None) -> list:
     """Our kernel rows with their stage and the model's prediction (matched by phase,
     kernel and occurrence); with `ran` (`launch_configs`), each row's [num_warps, num_stages]
-    as "config", which the model's "model_config" may not be (a tuned launch)."""
-    pred, seen, out = model(mode, target), {}, []
+    as "config", which the model's "model_config" may not be (a tuned launch); with `gpu`,
+    the time model's microseconds (`model`)."""
+    pred, seen, out = model(mode, target, gpu=gpu), {}, []
     for r in rows:
         key = (r["phase"], r["kernel"])
         n = seen[key] = seen.get(key, 0) + 1
@@ -198,19 +212,24 @@ def annotate(rows, mode, target, ran=None) -> list:
 
 
 def summary(rows) -> dict:
-    """{"rank_correlation": {impl: rho}, "stages": {impl: {"fwd/state": us, ...}}}."""
-    rho, stages = {}, {}
+    """{"rank_correlation": {impl: rho}, "stages": {impl: {"fwd/state": us, ...}},
+    "model_error": {impl: (sum of the time model's us - sum of device us) / device us over
+    the kernels the model has}}."""
+    rho, stages, err = {}, {}, {}
     for impl in dict.fromkeys(r["impl"] for r in rows):
         mine = [r for r in rows if r["impl"] == impl]
         pairs = [(r["model_dynamic"], r["us"]) for r in mine if r.get("model_dynamic")]
         if impl.startswith("ours"):
             rho[impl] = spearman([p[0] for p in pairs], [p[1] for p in pairs])
+        timed = [(r["model_us"], r["us"]) for r in mine if r.get("model_us") and r["us"]]
+        if timed:
+            err[impl] = sum(m for m, _ in timed) / sum(u for _, u in timed) - 1
         st = {}
         for r in mine:
             key = f"{r['phase']}/{r['stage']}"
             st[key] = st.get(key, 0.0) + r["us"]
         stages[impl] = st
-    return {"rank_correlation": rho, "stages": stages}
+    return {"rank_correlation": rho, "stages": stages, "model_error": err}
 
 
 def run(emit, deadline, *, plan, configs=None):
@@ -218,11 +237,13 @@ def run(emit, deadline, *, plan, configs=None):
     import time
 
     fns, why, _ = fla_mod.prepare(plan, configs)
-    target = "sm_90"
+    target, hw = "sm_90", "H200"  # the dry run's stand-in: the H200's time model
     if not plan.dry:
         import torch
 
         target = "sm_90" if torch.cuda.get_device_capability()[0] >= 9 else "sm_80"
+        hw = torch.cuda.get_device_name()
+    gpu_model = modelled_gpu(hw)
     rows = []
     for impl, family in names(plan):
         if time.monotonic() > deadline:
@@ -237,7 +258,8 @@ def run(emit, deadline, *, plan, configs=None):
         try:
             got = (host_timed(family, plan) if plan.dry else
                    profile(_op(None if ours else fns, family, plan), plan))
-            got = annotate(got, family, target, launch_configs(plan, family)) if ours else [
+            got = annotate(got, family, target, launch_configs(plan, family),
+                           gpu_model) if ours else [
                 dict(r, stage=stage(r["phase"], r["kernel"])) for r in got]
         except Exception as e:
             emit("profile", impl=impl, **failure(e))
@@ -249,5 +271,6 @@ def run(emit, deadline, *, plan, configs=None):
         emit("profile", impl=impl, status="ok", error=None, kernels=len(got),
              total_us=sum(r["us"] for r in got))
     return dict(summary(rows), target=target, T=plan.profile_T,
+                time_model=gpu_model.name if gpu_model else None,
                 model_source="the committed AOT report (parity/bench/results/results.json, "
                              "readiness) at (8,4096,16,128,128) bf16, key gate")

@@ -51,17 +51,24 @@ def _kernel_tables(st) -> list:
     ours = [x for x in kern if x["impl"].startswith("ours")]
     if ours:
         out += ["| implementation | phase | stage | kernel | grid | warps, stages | device us | "
-                "model G warp-instr | regs | CTAs/SM | bar.sync/loop |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "time model us (error) | model G warp-instr | regs | CTAs/SM | bar.sync/loop |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for x in ours:
-            dyn = x.get("model_dynamic")
+            dyn, mus = x.get("model_dynamic"), x.get("model_us")
+            err = f" ({(mus - x['us']) / x['us']:+.0%})" if mus and x["us"] else ""
             out.append(f"| {x['impl']} | {x['phase']} | {x['stage']} | {x['kernel'][:60]} | "
                        f"{tuple(x['grid']) if x.get('grid') else '-'} | {_config(x)} | "
-                       f"{_us(x['us'])} | {'-' if not dyn else f'{dyn / 1e9:.3f}'} | "
+                       f"{_us(x['us'])} | {_us(mus)}{err} | "
+                       f"{'-' if not dyn else f'{dyn / 1e9:.3f}'} | "
                        f"{x.get('model_regs', '-')} | {x.get('model_ctas_per_sm', '-')} | "
                        f"{x.get('model_bars', '-')} |")
         out += ["", "(warps, stages: as launched; \"model: ...\" where the model's report "
                 "compiled another config, a tuned launch: its figures are the default's.)", ""]
+    err = r.get("model_error") or {}
+    if err:
+        out += [f"The time model ({r.get('time_model')}, parity/compiled/timemodel.py) against "
+                "the device times, summed over the kernels it has: " + "; ".join(
+                    f"{n}: {v:+.0%}" for n, v in err.items()) + ".", ""]
     rho = r.get("rank_correlation") or {}
     if rho:
         out += ["How well the instruction model ranks our kernels (Spearman's rank correlation "
