@@ -48,8 +48,9 @@ from .common import exp_, key_gated, next_pow2
 
 WAVES = 1       # the rule's slots: WAVES x SMs programs at once
 LOCAL = 0.5     # the rule's cost of a local-pass program against an output one (it walks
-#                 the same chunks without q, A or o), rounded up: a split must fill the
-#                 device clearly better to pay for it
+#                 the same chunks without q, A or o; its SASS chain is about a quarter of
+#                 the output pass's on sm_90), rounded up: a split must fill the device
+#                 clearly better to pay for it
 MIN_CHUNKS = 8  # the rule's shortest segment, in chunks: the local pass and the combine
 #                 cost about one segment's state walk, so short segments gain nothing
 # the sweep's candidates (fused_chunk.SITES): 0 waves is never split
