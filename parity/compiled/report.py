@@ -145,7 +145,7 @@ def report(shape, dtype="bf16", mode="chunk", archs=(80, 90), gates="key", ptx_d
     short = {v: k for k, v in DTYPES.items()}[plan.dtype]
     if ptx_dir:
         os.makedirs(ptx_dir, exist_ok=True)
-    launches, used, lists = [], set(), {}
+    launches, used, lists, counted = [], set(), {}, {}
     for arch in archs:
         with for_arch(arch):  # the launch lists a device of this arch runs
             # the backward as the default plan runs it: with the forward's buffers it reuses
@@ -154,9 +154,15 @@ def report(shape, dtype="bf16", mode="chunk", archs=(80, 90), gates="key", ptx_d
                       ("bwd", fam.backward_launches(plan, True, kept))]
         lists[arch] = phases
         dtypes = tensor_dtypes(plan, [ls for _, ls in phases])
-        trips = {id(launch): launch_trips(launch.kernel, launch.grid,
-                                          launch_params(launch, dtypes))
-                 for _, ls in phases for launch in ls}
+        trips = {}
+        for _, ls in phases:
+            for launch in ls:
+                # an arch whose launch is another's (most are) reuses its trip counts
+                params = launch_params(launch, dtypes)
+                key = (launch.kernel.__name__, repr(launch.grid), repr(params))
+                if key not in counted:
+                    counted[key] = launch_trips(launch.kernel, launch.grid, params)
+                trips[id(launch)] = counted[key]
         for phase, ls in phases:
             for launch in ls:
                 name = launch.kernel.__name__
@@ -200,7 +206,8 @@ def report(shape, dtype="bf16", mode="chunk", archs=(80, 90), gates="key", ptx_d
                         f"ctas/SM={rec.get('ctas_per_sm')} "
                         f"dyn={rec.get('dynamic', 0) / 1e9:.3f}G ({rec['seconds']} s)"
                         + (f" ERROR {rec['error']}" if "error" in rec else ""))
-    bound_target = "sm_90" if 90 in archs else f"sm_{archs[0]}"
+    bound_arch = 90 if 90 in archs else archs[0]
+    bound_target = f"sm_{bound_arch}"
     bounds = {p: sum(r["lower_bound_us"] for r in launches
                      if r["phase"] == p and r["target"] == bound_target) for p in ("fwd", "bwd")}
     bounds["total"] = bounds["fwd"] + bounds["bwd"]
@@ -211,7 +218,7 @@ def report(shape, dtype="bf16", mode="chunk", archs=(80, 90), gates="key", ptx_d
                          N=plan.N),
            "dtype": short, "mode": mode, "gates": gates, "archs": [f"sm_{a}" for a in archs],
            "alignment_hints": hints, "launches": launches, "kept": list(kept),
-           "workspace_bytes": workspace_bytes(plan, lists[int(bound_target[3:])][1][1]),
+           "workspace_bytes": workspace_bytes(plan, lists[bound_arch][1][1]),
            "lower_bound_us": bounds, "lower_bound_target": bound_target,
            "dynamic_warp_instructions": dynamic,
            "peaks": {"tensor_core_flops": PEAK_TC_FLOPS, "tf32_flops": PEAK_TF32_FLOPS,
