@@ -190,10 +190,16 @@ def test_backward_rule():
     assert not fused_chunk_bwd.supported(plan(64, 64, g_gamma="head"))
 
 
-def test_backward_several_blocks():
+@pytest.mark.parametrize("g", ["key", "head"])
+def test_backward_several_blocks(g):
     """K = 40, V = 40 in fp32: the dq and dk walks take three K blocks of 16, the dv walk
-    three V blocks."""
-    case = C("bwd-blocks", T=40, H=1, Hk=1, K=40, V=40, g="key", initial_state=True)
+    three V blocks. The dk walk finishes dq, dk and the key gate's gradient itself (fold);
+    a head gate's gradient sums over the K blocks, so there the combine pass does."""
+    case = C("bwd-blocks", T=40, H=1, Hk=1, K=40, V=40, g=g, initial_state=True)
+    plan, _, _ = cases.launch_env(case, backends.prepared(case, "float32", 0), "float32")
+    names = [ln.kernel.__name__ for ln in fused_chunk_bwd.launches(plan, True)]
+    assert names[-1] == ("fused_chunk_bwd_combine_kernel" if g == "head" else
+                         "fused_chunk_bwd_dkv_kernel"), names
     assert_close(run_case(case, backward=True), "float32")
 
 

@@ -30,14 +30,14 @@ decays' own values, as 1 or 3 16-bit tensor-core products), the same dot operand
 (the state as a dot operand in q's dtype, as chunk's h in bf16; fp32 "ieee"; for fp16
 the state and A at tf32, common.op_dot).
 
-Backward: fused_chunk_bwd.py's walks with S or dh in registers and a combine pass, where
-they apply (fused_chunk_bwd.supported: no gv, no g_gamma, K, V <= 128 in 16 bits), else
-the chunk family's launch list (chunk.backward_launches, 64-token chunks, which
+Backward: fused_chunk_bwd.py's walks with S or dh in registers, where they apply
+(fused_chunk_bwd.supported: no gv, no g_gamma, K, V <= 128 in 16 bits), else the chunk
+family's launch list (chunk.backward_launches, 64-token chunks, which
 recomputes the states h and dh and A into HBM); GLA_BRIDGE_FUSED_CHUNK_BWD=chunk takes
 the chunk list always. Nothing is kept from the forward (autograd holds the inputs).
 The buffers beyond the returned gradients at (8,4096,16,128,128) bf16 (`parity.compiled
---report`'s workspace): 0.537 GB on chip (dq' and dk' in fp32; 1.07 GB with the
-gradients, against the chunk family's 1.6 GB with its kept A and fla's 3.1 GB); 1.015 GB
+--report`'s workspace): 0.268 GB on chip (dq' in fp32; 0.81 GB with the gradients,
+against the chunk family's 1.6 GB with its kept A and fla's 3.1 GB); 1.015 GB
 through the chunk list (h and dh 268 MB each in bf16).
 
 Config: chunks of BT = 32 tokens ([BT, K] operand tiles of 64 rows beside an fp32

@@ -1,6 +1,6 @@
 """The on-chip backward of mode="fused_chunk": three walks over chunks of BT tokens (16;
-32 for the dv walk on sm_90, `config`) with the state or its gradient in registers, then
-a combine pass; no per-chunk states in HBM.
+32 for the dv walk on sm_90, `config`) with the state or its gradient in registers; no
+per-chunk states in HBM.
 
 Notation of fused_recurrent.py's module docstring (S~_t: the state before step t adds its
 own token; the primed gradients leave out the step's own q.k term). Per chunk, with the
@@ -13,13 +13,16 @@ key decays from the chunk start to t (A_t) and from t + 1 to its end, and pairs 
   fused_chunk_bwd_dkv_kernel  the reverse walk, dS fp32 in registers from dht, chunks last
       to first, dS_start = e^(chunk) dS_end + scale (q gated from the start)^T do:
       DK, per K block (all of V): dk'_s = (dS_end v_s)(decay to the end)
-          + scale sum_{t>s} (do_t.v_s) (decay s..t) q_t, [B,T,H,K] fp32;
+          + scale sum_{t>s} (do_t.v_s) (decay s..t) q_t, and from it and dq' (FOLD,
+          `_finish`) dq and dk with the steps' own terms and the key-gate gradient as
+          fused_recurrent's reverse cumulative sum of q dq' - k dk' from the final-state
+          term, inside a chunk one exact table product (common.seg_sums), across chunks a
+          carried [BK] sum;
       DV, per V block (all of K): dv_s = (k_s gated to the end) dS_end + sum_{t>=s} A_ts do_t
           in v's dtype (fp32 per query head with GQA), and d(initial_state).
-  fused_chunk_bwd_combine_kernel  per (sequence x head), chunks last to first: dq, dk with
-      the step's own terms, and the key-gate gradient as fused_recurrent's reverse
-      cumulative sum of q dq' - k dk' from the final-state term, inside a chunk one exact
-      table product (common.seg_sums), across chunks a carried [K] sum.
+  fused_chunk_bwd_combine_kernel  the same per (sequence x head) from dk' [B,T,H,K] fp32,
+      where the DK walk does not (`config`'s fold: a head gate's gradient, a sum over K,
+      with K in several blocks).
 
 Decays inside a chunk are common.seg_sums of the log decays (sums of consecutive decays,
 exact fp32 sums of the decays' own values); the pairs s < t by levels of their highest
@@ -33,7 +36,7 @@ gate gv (its gradient needs o' do and value levels), g_gamma (its gradient is no
 cumulative sum, see chunk_bwd.py), and the shapes whose builds spill (`supported`).
 
 Memory at (8,4096,16,128,128) bf16, g [B,T,H,K] (`parity.compiled --report`'s workspace, the
-buffers beyond the returned gradients): dq' and dk' in fp32, 268 MB each, 0.537 GB; the
+buffers beyond the returned gradients): dq' in fp32, 0.268 GB; the
 chunk family's backward 0.948 GB (h, dh, kg, qg, dA), fused_chunk's fallback to it 1.015 GB.
 """
 
@@ -165,19 +168,22 @@ def _level_mask_t(o_t, h):
 
 @triton.jit
 def fused_chunk_bwd_dkv_kernel(
-    q, k, v, g, gk, g_gamma, cu_seqlens, do, dht,
+    q, k, v, g, gk, g_gamma, cu_seqlens, do, dht, dq_prime, dfa,
     scale, T,
-    dk, dv, dh0,
+    dk, dv, dh0, dq, da, dg_head,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
     G_MODE: tl.constexpr, USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr,
     USE_H0: tl.constexpr, USE_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
     REVERSE: tl.constexpr, LEVELS: tl.constexpr, DOT_PREC: tl.constexpr,
-    DK: tl.constexpr, DV: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, FOLD: tl.constexpr,
 ):
     """One (sequence x head, K block, V block), chunks last to first, dS [BK, BV] fp32 in
-    registers. DK (all of V, NV = 1): dk' [B,T,H,K] fp32. DV (all of K, NK = 1): dv per
-    query head [B,T,H,V] with the step's own term, and (USE_H0) dh0 [N,H,K,V] fp32."""
+    registers. DK (all of V, NV = 1): dk' [B,T,H,K] fp32; with FOLD instead the combine's
+    work (`_finish`, from the dq walk's dq' and dfa): dq and dk per query head [B,T,H,K]
+    and the gate's gradient (dg_head only with all of K, NK = 1). DV (all of K, NK = 1):
+    dv per query head [B,T,H,V] with the step's own term, and (USE_H0) dh0 [N,H,K,V]
+    fp32."""
     scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     i_nh, i_h, i_hk, bos, eos, gamma, base, o_k, o_v, mask_k, mask_v, p_kv = _program(
         cu_seqlens, g_gamma, T, H, HK, K, V, BK, BV, NK, NV, IS_VARLEN, GAMMA_MODE)
@@ -187,7 +193,11 @@ def fused_chunk_bwd_dkv_kernel(
     op: tl.constexpr = op_dtype(q.dtype.element_ty)
     o_t = tl.arange(0, BT)
     b_dh = _state_in(dht, base, p_kv, mask_k, mask_v, USE_DHT)
-    nc = tl.cdiv(eos - bos, BT)
+    n = eos - bos
+    nc = tl.cdiv(n, BT)
+    carry = tl.zeros([BK], dtype=tl.float32)
+    if FOLD and USE_DHT and ((G_MODE > 0) or USE_GK):
+        carry += tl.load(dfa + i_nh * K + o_k, mask=mask_k, other=0.)
     for i in range(0, nc):
         row0, pos, mask_t = block_pos(bos, eos, (nc - 1 - i) * BT, BT, REVERSE)
         a = _key_decays(g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K, G_MODE,
@@ -196,6 +206,9 @@ def fused_chunk_bwd_dkv_kernel(
         b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K)
         b_do = load_tile(do, row0, pos, i_h, o_v, mask_t, mask_v, H, V).to(op)
         b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V).to(op)
+        if FOLD and KGATE:  # in flight through the level loop (without it, loaded late:
+            # one tile fewer live beside the products, which spilled in fp16 on sm_80)
+            b_dq = load_tile(dq_prime, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
         # through the chunk end's state gradient
         if DK:
             acc_k = op_dot(b_v, b_dh, None, op, DOT_PREC, TRANS=True)
@@ -236,7 +249,14 @@ def fused_chunk_bwd_dkv_kernel(
                 a_t = tl.dot(b_k.to(op), tl.trans(b_q.to(op)), input_precision=DOT_PREC)
                 acc_v += op_dot(tl.where(later, a_t * scale, 0.).to(wide_dtype(op)), b_do,
                                 None, op, DOT_PREC)
-        if DK:
+        if FOLD:  # v_t . do_t: dA^T's diagonal
+            vdo = tl.sum(tl.where(o_t[:, None] == o_t[None, :], d_at, 0.), 1) * scale
+            if not KGATE:
+                b_dq = load_tile(dq_prime, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
+            carry = _finish(b_q, b_k, b_dq, acc_k, vdo, carry, (nc - 1 - i) * BT + o_t, n, row0, pos, mask_t,
+                            i_h, o_k, mask_k, dq, dk, da, dg_head, H, K, G_MODE, USE_GK,
+                            USE_H0)
+        elif DK:
             tl.store(tile_ptrs(dk, row0, pos, i_h, o_k, H, K), acc_k,
                      mask=mask_t[:, None] & mask_k[None, :])
         if DV:
@@ -252,6 +272,41 @@ def fused_chunk_bwd_dkv_kernel(
 
 
 @triton.jit
+def _finish(b_q, b_k, b_dq, b_dk, vdo, carry, p, n, row0, pos, mask_t, i_h, o_k, mask_k,
+            dq, dk, da, dg_head, H: tl.constexpr, K: tl.constexpr, G_MODE: tl.constexpr,
+            USE_GK: tl.constexpr, USE_H0: tl.constexpr):
+    """One chunk's gradients from dq', dk' [BT, BK] fp32 (chunks last to first): dq and dk
+    with the step's own terms (vdo [BT] = scale v_t . do_t), and for key gates da (g or
+    gk [B,T,H,K]) or its sum over K dg_head (g [B,T,H]: BK holds all of K): the reverse
+    cumulative sums of q dq' - k dk' (the sequence's last k dk' left out) from carry [BK],
+    the later chunks' sums; inside the chunk one exact table product (common.seg_sums).
+    Without USE_H0 the first step's gate gradient is exactly 0 (its gates decay a zero
+    state). p: the rows' positions in the sequence's processing order, n its length.
+    Returns the carry for the chunk before."""
+    b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
+    m_tk = mask_t[:, None] & mask_k[None, :]
+    tl.store(tile_ptrs(dq, row0, pos, i_h, o_k, H, K),
+             (b_dq + vdo[:, None] * b_k).to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(tile_ptrs(dk, row0, pos, i_h, o_k, H, K),
+             (b_dk + vdo[:, None] * b_q).to(dk.dtype.element_ty), mask=m_tk)
+    if (G_MODE > 0) or USE_GK:
+        BT: tl.constexpr = b_q.shape[0]
+        x = b_q * b_dq - tl.where((p == n - 1)[:, None], 0., b_k * b_dk)
+        b_g = carry[None, :] + x + seg_sums(seg_matrix(tl.arange(0, BT), BT, tl.float32), x,
+                                            tl.float32)
+        carry += tl.sum(x, 0)
+        if not USE_H0:
+            b_g = tl.where((p == 0)[:, None], 0., b_g)
+        if (G_MODE == 2) or USE_GK:
+            tl.store(tile_ptrs(da, row0, pos, i_h, o_k, H, K), b_g.to(da.dtype.element_ty),
+                     mask=m_tk)
+        if G_MODE == 1:
+            tl.store(dg_head + (row0 + pos) * H + i_h, tl.sum(tl.where(m_tk, b_g, 0.), 1),
+                     mask=mask_t)
+    return carry
+
+
+@triton.jit
 def fused_chunk_bwd_combine_kernel(
     q, k, v, do, cu_seqlens, dq_prime, dk_prime, dfa,
     scale, T,
@@ -261,12 +316,9 @@ def fused_chunk_bwd_combine_kernel(
     G_MODE: tl.constexpr, USE_GK: tl.constexpr, USE_H0: tl.constexpr, USE_DHT: tl.constexpr,
     IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr,
 ):
-    """One (sequence x head), chunks last to first: dq [B,T,H,K] and dk per query head
-    [B,T,H,K] with the step's own terms; da [B,T,H,K] (g [B,T,H,K] / gk) or its sum over K
-    dg_head [B,T,H] (g [B,T,H]): the reverse cumulative sums of q dq' - k dk' (the
-    sequence's last k dk' left out: dfa holds it) from dfa [N,H,K]; inside a chunk one
-    table product (common.seg_sums, exact), across chunks a carried [K] sum. Without USE_H0
-    the first step's gate gradient is exactly 0 (its gates decay a zero state)."""
+    """One (sequence x head), all of K, chunks last to first: `_finish` from dq', dk'
+    [B,T,H,K] fp32 and the final state's term dfa [N,H,K] (the dk walk does this itself
+    where it can, `config`'s fold)."""
     scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -285,31 +337,15 @@ def fused_chunk_bwd_combine_kernel(
     for i in range(0, nc):
         p = (nc - 1 - i) * BT + o_t  # processing positions of the chunk
         row0, pos, mask_t = block_pos(bos, eos, (nc - 1 - i) * BT, BT, REVERSE)
-        m_tk = mask_t[:, None] & mask_k[None, :]
-        b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K).to(tl.float32)
-        b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K).to(tl.float32)
+        b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
+        b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K)
         vdo = tl.sum(load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V).to(tl.float32)
                      * load_tile(do, row0, pos, i_h, o_v, mask_t, mask_v, H, V).to(tl.float32),
                      1) * scale
         b_dq = load_tile(dq_prime, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
         b_dk = load_tile(dk_prime, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
-        tl.store(tile_ptrs(dq, row0, pos, i_h, o_k, H, K),
-                 (b_dq + vdo[:, None] * b_k).to(dq.dtype.element_ty), mask=m_tk)
-        tl.store(tile_ptrs(dk, row0, pos, i_h, o_k, H, K),
-                 (b_dk + vdo[:, None] * b_q).to(dk.dtype.element_ty), mask=m_tk)
-        if KGATE:
-            x = b_q * b_dq - tl.where((p == n - 1)[:, None], 0., b_k * b_dk)
-            b_g = carry[None, :] + x + seg_sums(seg_matrix(o_t, BT, tl.float32), x,
-                                                tl.float32)
-            carry += tl.sum(x, 0)
-            if not USE_H0:
-                b_g = tl.where((p == 0)[:, None], 0., b_g)
-            if (G_MODE == 2) or USE_GK:
-                tl.store(tile_ptrs(da, row0, pos, i_h, o_k, H, K),
-                         b_g.to(da.dtype.element_ty), mask=m_tk)
-            if G_MODE == 1:
-                tl.store(dg_head + (row0 + pos) * H + i_h,
-                         tl.sum(tl.where(m_tk, b_g, 0.), 1), mask=mask_t)
+        carry = _finish(b_q, b_k, b_dq, b_dk, vdo, carry, p, n, row0, pos, mask_t, i_h, o_k,
+                        mask_k, dq, dk, da, dg_head, H, K, G_MODE, USE_GK, USE_H0)
 
 
 # ---------------------------------------------------------------- launch plan
@@ -351,7 +387,10 @@ def config(plan) -> dict:
     in fp16 and under triton 3.6, and ran two waves at 8); with_dk: the dv walk also
     writes dk' where it has all of V (one reverse walk instead of two; off by default:
     at K = V = 128 it spilled without gates under triton 3.6 and in fp16, a sweep
-    candidate); each walk's the device table's entry where it has one (`SITES`)."""
+    candidate); each walk's the device table's entry where it has one (`SITES`); fold:
+    the walk that makes dk' finishes dq, dk and the gate's gradient itself (no combine
+    pass: dk' never goes to HBM, q, k, v, do are not read again) but where a head gate's
+    gradient would be a sum over its K blocks."""
     BK, BV = max(16, next_pow2(plan.K)), max(16, next_pow2(plan.V))
     wide = plan.dtype in ("bfloat16", "float16")
     warps = 4 if wide else 8
@@ -365,16 +404,18 @@ def config(plan) -> dict:
                                        SV=BV if whole else 32 if wide else 16,
                                        BT=32 if whole else BT, with_dk=False))
     SV = min(knobs["bwd_dv"]["SV"], BV)
-    return dict(BK=BK, BV=BV, SK=min(64 if wide else 16, BK), SV=SV,
+    SK = min(64 if wide else 16, BK)
+    with_dk = bool(knobs["bwd_dv"]["with_dk"]) and SV >= BV
+    return dict(BK=BK, BV=BV, SK=SK, SV=SV,
                 warps={site: k["num_warps"] for site, k in knobs.items()},
                 chunks={site: k["BT"] for site, k in knobs.items()},
-                with_dk=bool(knobs["bwd_dv"]["with_dk"]) and SV >= BV)
+                with_dk=with_dk, fold=plan.g != "head" or with_dk or SK >= plan.K)
 
 
 def launches(plan, use_dht: bool) -> list:
     """Reads the forward inputs, do [B,T,H,V] and (use_dht) dfinal_state [N,H,K,V]; writes
-    dq', dk' [B,T,H,K] and dfa [N,H,K] (fp32) on the way and the buffers bridge.grads reads
-    (module docstring). `supported(plan)` must hold."""
+    dq' [B,T,H,K] and dfa [N,H,K] (fp32; dk' too without `config`'s fold) on the way and
+    the buffers bridge.grads reads (module docstring). `supported(plan)` must hold."""
     c = config(plan)
     B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
     nk, nv = -(-K // c["SK"]), -(-V // c["SV"])
@@ -406,7 +447,25 @@ def launches(plan, use_dht: bool) -> list:
 
     f32 = tokens * H * K * 4
     qkvdo = tokens * (H * K + plan.Hk * (K + V) + H * V) * isz
-    merged = c["with_dk"]
+    merged, fold = c["with_dk"], c["fold"]
+    # the gradients the combine writes (`_finish`), in whichever kernel does it
+    finals = dict(dq=Out("dq", (B, T, H, K), "like:q"),
+                  dk=Out("dk_h", (B, T, H, K), "like:k" if own else "float32"),
+                  da=Out("da", (B, T, H, K), "like:g" if plan.g == "key" else "like:gk")
+                  if plan.g == "key" or plan.gk else None,
+                  dg_head=Out("dg_head", (B, T, H)) if plan.g == "head" else None)
+    finals_bytes = tokens * H * (K * (2 * isz if own else isz + 4)
+                                 + (K * isz if plan.g == "key" or plan.gk else 0)
+                                 + (4 if plan.g == "head" else 0))
+    # the walk that makes dk': its outputs, extra inputs and bytes beyond q, k, v, do, g
+    if fold:
+        dk_walk = dict(outputs=dict(finals), inputs=dict(dq_prime="dq_prime",
+                                                         dfa="dfa" if final_a else None),
+                       bytes=f32 + finals_bytes)
+    else:
+        dk_walk = dict(outputs=dict(dk=Out("dk_prime", (B, T, H, K))),
+                       inputs=dict(dq_prime=None, dfa=None), bytes=f32)
+    no_dk = dict(dk=None, dq=None, da=None, dg_head=None)
     return [
         Launch(fused_chunk_bwd_dq_kernel, grid=(nk * N * H,),
                inputs=dict(q="q", k="k", v="v", **gates,
@@ -420,39 +479,38 @@ def launches(plan, use_dht: bool) -> list:
                bytes=int(qkvdo + f32)),
         *([] if merged else [Launch(
             fused_chunk_bwd_dkv_kernel, grid=(nk * N * H,),
-            inputs=dict(q="q", k="k", v="v", **gates, **cu, do="do", dht=dht),
+            inputs=dict(q="q", k="k", v="v", **gates, **cu, do="do", dht=dht,
+                        **dk_walk["inputs"]),
             scalars=dict(scale=plan.scale, T=T),
-            outputs=dict(dk=Out("dk_prime", (B, T, H, K)), dv=None, dh0=None),
+            outputs=dict(no_dk, **dk_walk["outputs"], dv=None, dh0=None),
             constexprs=dict(walk["bwd_dk"], BK=c["SK"], BV=c["BV"], NK=nk, NV=1, DK=True,
-                            DV=False),
+                            DV=False, FOLD=fold),
             num_warps=c["warps"]["bwd_dk"], dot_flops=dot_flops("bwd_dk"),
-            bytes=int(qkvdo + tokens * H * K * isz + f32))]),
+            bytes=int(qkvdo + tokens * H * K * isz + dk_walk["bytes"]))]),
         # the dv walk (with_dk: and dk', all of K and V in one program)
         Launch(fused_chunk_bwd_dkv_kernel, grid=(nv * N * H,),
-               inputs=dict(q="q", k="k", v="v", **gates, **cu, do="do", dht=dht),
+               inputs=dict(q="q", k="k", v="v", **gates, **cu, do="do", dht=dht,
+                           **(dk_walk["inputs"] if merged else dict(dq_prime=None, dfa=None))),
                scalars=dict(scale=plan.scale, T=T),
-               outputs=dict(dk=Out("dk_prime", (B, T, H, K)) if merged else None,
+               outputs=dict(no_dk, **(dk_walk["outputs"] if merged else {}),
                             dv=Out("dv_h", (B, T, H, V), "like:v" if own else "float32"),
                             dh0=Out("d_initial_state", (N, H, K, V))
                             if plan.initial_state else None),
                constexprs=dict(walk["bwd_dv"], BK=c["BK"], BV=c["SV"], NK=1, NV=nv, DK=merged,
-                               DV=True),
+                               DV=True, FOLD=fold and merged),
                num_warps=c["warps"]["bwd_dv"],
                dot_flops=dot_flops("bwd_dv") + (dot_flops("bwd_dk") if merged else 0),
                bytes=int(qkvdo + tokens * H * K * isz + tokens * H * V * (isz if own else 4)
-                         + (f32 if merged else 0))),
-        Launch(fused_chunk_bwd_combine_kernel, grid=(N * H,),
-               inputs=dict(q="q", k="k", v="v", do="do", **cu, dq_prime="dq_prime",
-                           dk_prime="dk_prime", dfa="dfa" if final_a else None),
-               scalars=dict(scale=plan.scale, T=T),
-               outputs=dict(dq=Out("dq", (B, T, H, K), "like:q"),
-                            dk=Out("dk_h", (B, T, H, K), "like:k" if own else "float32"),
-                            da=Out("da", (B, T, H, K), "like:g" if plan.g == "key" else "like:gk")
-                            if plan.g == "key" or plan.gk else None,
-                            dg_head=Out("dg_head", (B, T, H)) if plan.g == "head" else None),
-               constexprs=dict(H=fl["H"], HK=fl["HK"], K=K, V=V, BT=BT, BK=c["BK"], BV=c["BV"],
-                               G_MODE=fl["G_MODE"], USE_GK=fl["USE_GK"],
-                               USE_H0=plan.initial_state, USE_DHT=use_dht,
-                               IS_VARLEN=plan.varlen, REVERSE=plan.reverse),
-               num_warps=4, bytes=int(qkvdo + 2 * f32 + 3 * tokens * H * K * isz)),
+                         + (dk_walk["bytes"] if merged else 0))),
+        *([] if fold else [Launch(
+            fused_chunk_bwd_combine_kernel, grid=(N * H,),
+            inputs=dict(q="q", k="k", v="v", do="do", **cu, dq_prime="dq_prime",
+                        dk_prime="dk_prime", dfa="dfa" if final_a else None),
+            scalars=dict(scale=plan.scale, T=T),
+            outputs=finals,
+            constexprs=dict(H=fl["H"], HK=fl["HK"], K=K, V=V, BT=BT, BK=c["BK"], BV=c["BV"],
+                            G_MODE=fl["G_MODE"], USE_GK=fl["USE_GK"],
+                            USE_H0=plan.initial_state, USE_DHT=use_dht,
+                            IS_VARLEN=plan.varlen, REVERSE=plan.reverse),
+            num_warps=4, bytes=int(qkvdo + 2 * f32 + finals_bytes))]),
     ]
