@@ -7,6 +7,9 @@ sequences, GQA, the three dtypes, strong and -inf gates; a gradient through the
 family's backward after a split forward; and the split factor's rule on a device of
 known SM count (a faked one), the CPU's default and a forced or bad knob."""
 
+import math
+from fractions import Fraction
+
 import numpy as np
 import pytest
 
@@ -17,6 +20,7 @@ import bridge.kernels  # noqa: E402,F401  (decides the interpreter before triton
 from bridge import grads, torch_runner, tuning  # noqa: E402
 from parity.compiled import report  # noqa: E402
 from bridge.kernels import family, fused_chunk  # noqa: E402
+from bridge.kernels import fused_chunk_split as split  # noqa: E402
 from parity import backends, cases  # noqa: E402
 from parity.compare import assert_close, errors, rel_err  # noqa: E402
 
@@ -144,6 +148,23 @@ def _rounds(ns, programs, slots):
     """The rule's cost, written out: rounds of slots per segment walk (the local pass's
     programs at half an output program's)."""
     return (np.ceil(ns * programs / slots) + np.ceil((ns - 1) * programs / slots) / 2) / ns
+
+
+def test_rule_search_stops_early_with_the_argmin():
+    """split.best_segments' early stop returns the exhaustive argmin of the rule's cost
+    (`_rounds` in exact fractions; the fewest segments on ties) over programs, slots and
+    the longest sequences' limits."""
+    def rounds(ns, programs, slots):
+        return (math.ceil(Fraction(ns * programs, slots))
+                + math.ceil(Fraction((ns - 1) * programs, slots)) / Fraction(2)) / ns
+
+    for programs in (1, 2, 3, 4, 7, 8, 16, 33, 64, 100, 128, 131, 132, 133, 256, 1000):
+        for slots in (1, 8, 108, 132, 264, 528):
+            for most in (1, 2, 16, 128, 512):
+                want = min(range(1, most + 1),
+                           key=lambda ns: (rounds(ns, programs, slots), ns))
+                assert split.best_segments(programs, slots, most) == want, (programs, slots,
+                                                                           most)
 
 
 def test_rule_fills_the_device():

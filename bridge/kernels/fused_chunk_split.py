@@ -39,6 +39,8 @@ SM count is unknown (the CPU, the interpreter) the rule keeps one segment; the k
 launch's within fp32 rounding (SPEC.md).
 """
 
+import math
+
 import triton
 import triton.language as tl
 
@@ -74,13 +76,22 @@ def segments(plan, programs: int, BT: int) -> int:
     if not sms or not knobs["waves"]:
         return 1
     chunks = -(-(plan.T // plan.N if plan.varlen else plan.T) // BT)
-    slots = knobs["waves"] * sms
+    return best_segments(programs, knobs["waves"] * sms,
+                         max(1, chunks // max(knobs["min_chunks"], 1)))
 
+
+def best_segments(programs: int, slots: int, most: int) -> int:
+    """The NS in 1..most with the fewest rounds of `slots` programs per segment walk
+    (module doc), the fewest on ties. Only NS <= n0 = slots / gcd(slots, programs) need
+    trying: with NS = q n0 + r the cost is A + g(r) / NS, A = (1 + LOCAL) programs / slots
+    and g depending on r alone, so NS = r (g(r) <= 0 and r > 0), or n0 (r = 0, or
+    g(r) >= 0, where the cost is at least A and n0's at most), costs as little with fewer
+    segments: at most `slots` tries instead of `most` (4096 at a million tokens)."""
     def walks(ns):  # rounds of `slots` programs, in walks of one unsplit program
         return (-(-ns * programs // slots) + LOCAL * -(-(ns - 1) * programs // slots)) / ns
 
-    most = max(1, chunks // max(knobs["min_chunks"], 1))
-    return min(range(1, most + 1), key=lambda ns: (walks(ns), ns))
+    n0 = slots // math.gcd(slots, programs)
+    return min(range(1, min(most, n0) + 1), key=lambda ns: (walks(ns), ns))
 
 
 @triton.jit
