@@ -238,7 +238,8 @@ SM90_CASES = [C("sm90", T=70, H=2, Hk=1, K=96, V=100, g="key", initial_state=Tru
 def test_sm90_tiles_bf16(case):
     """On a device of capability 9.x (faked; no SM count, so no split) the bf16 forward
     with per-key decays takes all of V in one block (BV 128, 8 warps, key blocks of 128),
-    the dv walk all of V (SV 128, 8 warps) on 32-token chunks, where the CPU's plan
+    the dv walk all of V (SV 128, 8 warps) on 32-token chunks, the dq and dk walks pipelined
+    (level loops unrolled), where the CPU's plan
     takes V blocks of 64 and 32 and 16-token chunks: forward and every
     gradient within bf16's tolerance of the oracle, across several chunks, with K = 96 and
     V = 100 padded (masked key and value columns), reversed, and varlen with an empty and
@@ -255,6 +256,12 @@ def test_sm90_tiles_bf16(case):
     assert wide[1]["SV"] == 128 and wide[1]["warps"]["bwd_dv"] == 8
     assert wide[1]["chunks"] == dict(bwd_dq=16, bwd_dk=16, bwd_dv=32)
     assert narrow[1]["chunks"] == dict(bwd_dq=16, bwd_dk=16, bwd_dv=16)
+    # the dq and dk walks pipelined (level loops unrolled) on sm_90 in bf16 only
+    assert (wide[1]["stages"], narrow[1]["stages"]) == (dict(bwd_dq=2, bwd_dk=2),
+                                                      dict(bwd_dq=1, bwd_dk=1))
+    with tuning.on_device("9.0 Fake GPU"):
+        assert fused_chunk_bwd.config(cases.launch_env(case, backends.prepared(
+            case, "float16", 0), "float16")[0])["stages"] == dict(bwd_dq=1, bwd_dk=1)
     assert_close(errs, "bfloat16")
 
 

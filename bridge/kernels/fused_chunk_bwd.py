@@ -110,10 +110,11 @@ def fused_chunk_bwd_dq_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
     G_MODE: tl.constexpr, USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr,
     USE_H0: tl.constexpr, USE_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    REVERSE: tl.constexpr, LEVELS: tl.constexpr, DOT_PREC: tl.constexpr,
+    REVERSE: tl.constexpr, LEVELS: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr,
 ):
     """One (sequence x head, K block), all of V (BV >= V): dq' [B,T,H,K] fp32 and, with
-    USE_DHT and g or gk, dfa [N,H,K] = sum_V dht S~_T (0 for an empty sequence)."""
+    USE_DHT and g or gk, dfa [N,H,K] = sum_V dht S~_T (0 for an empty sequence).
+    STAGES: the chunk loop's software pipelining (`config`)."""
     scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     i_nh, i_h, i_hk, bos, eos, gamma, base, o_k, o_v, mask_k, mask_v, p_kv = _program(
         cu_seqlens, g_gamma, T, H, HK, K, V, BK, BV, NK, 1, IS_VARLEN, GAMMA_MODE)
@@ -125,7 +126,7 @@ def fused_chunk_bwd_dq_kernel(
     o_t = tl.arange(0, BT)
     b_s = _state_in(h0, base, p_kv, mask_k, mask_v, USE_H0)
     n = eos - bos
-    for c in range(0, tl.cdiv(n, BT)):
+    for c in tl.range(0, tl.cdiv(n, BT), num_stages=STAGES):
         row0, pos, mask_t = block_pos(bos, eos, c * BT, BT, REVERSE)
         a = _key_decays(g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K, G_MODE,
                         USE_GK, GAMMA_MODE)
@@ -136,12 +137,14 @@ def fused_chunk_bwd_dq_kernel(
         if KGATE:
             acc *= _factor(a, o_t, 2 * BT, DT)
         d_a = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
-        if KGATE:
+        if KGATE and STAGES > 1:  # the pipeliner takes no loop that holds a loop
+            for lvl in tl.static_range(0, LEVELS):
+                acc = _pairs_level(acc, a, o_t, (BT // 2) >> lvl, d_a, b_k, 1., True, op, DT,
+                                   DOT_PREC)
+        elif KGATE:
             for lvl in range(0, LEVELS):  # one level's tiles live at a time
-                hl = (BT // 2) >> lvl
-                f = _factor(a, o_t, hl, DT)
-                w = tl.where(level_mask(o_t, hl), d_a, 0.).to(wide_dtype(op))
-                acc += f * split_dot(w, b_k.to(tl.float32) * f, None, op, DOT_PREC)
+                acc = _pairs_level(acc, a, o_t, (BT // 2) >> lvl, d_a, b_k, 1., True, op, DT,
+                                   DOT_PREC)
         else:
             acc += split_dot(tl.where(o_t[:, None] > o_t[None, :], d_a, 0.).to(wide_dtype(op)),
                              b_k.to(tl.float32), None, op, DOT_PREC)
@@ -157,6 +160,17 @@ def fused_chunk_bwd_dq_kernel(
         b_dht = tl.load(dht + base + p_kv, mask=mask_k[:, None] & mask_v[None, :], other=0.)
         tl.store(dfa + i_nh * K + o_k, tl.where(n > 0, tl.sum(b_dht * b_s, 1), 0.),
                  mask=mask_k)
+
+
+@triton.jit
+def _pairs_level(acc, a, o_t, hl, d, x, scale, LATER: tl.constexpr, op: tl.constexpr,
+                 DT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc [BT, BK] plus scale sum_s d[t, s] F(t) F(s) x_s over the pairs of level hl:
+    s < t (LATER, dq': d = dA) or s > t (dk': d = dA^T, x = q); F the level's decays."""
+    f = _factor(a, o_t, hl, DT)
+    m = level_mask(o_t, hl) if LATER else _level_mask_t(o_t, hl)
+    w = tl.where(m, d, 0.).to(wide_dtype(op))
+    return acc + f * split_dot(w, x.to(tl.float32) * f, None, op, DOT_PREC) * scale
 
 
 @triton.jit
@@ -176,7 +190,7 @@ def fused_chunk_bwd_dkv_kernel(
     G_MODE: tl.constexpr, USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr,
     USE_H0: tl.constexpr, USE_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
     REVERSE: tl.constexpr, LEVELS: tl.constexpr, DOT_PREC: tl.constexpr,
-    DK: tl.constexpr, DV: tl.constexpr, FOLD: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, FOLD: tl.constexpr, STAGES: tl.constexpr,
 ):
     """One (sequence x head, K block, V block), chunks last to first, dS [BK, BV] fp32 in
     registers. DK (all of V, NV = 1): dk' [B,T,H,K] fp32; with FOLD instead the combine's
@@ -198,7 +212,7 @@ def fused_chunk_bwd_dkv_kernel(
     carry = tl.zeros([BK], dtype=tl.float32)
     if FOLD and USE_DHT and ((G_MODE > 0) or USE_GK):
         carry += tl.load(dfa + i_nh * K + o_k, mask=mask_k, other=0.)
-    for i in range(0, nc):
+    for i in tl.range(0, nc, num_stages=STAGES):
         row0, pos, mask_t = block_pos(bos, eos, (nc - 1 - i) * BT, BT, REVERSE)
         a = _key_decays(g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K, G_MODE,
                         USE_GK, GAMMA_MODE)
@@ -224,15 +238,19 @@ def fused_chunk_bwd_dkv_kernel(
             # the step's own term: A's diagonal, ungated
             diag = tl.sum(b_q.to(tl.float32) * b_k.to(tl.float32), 1) * scale
             acc_v += diag[:, None] * b_do.to(tl.float32)
-        if KGATE:
+        if KGATE and STAGES > 1:  # DK alone: the pipeliner takes no loop that holds a loop
+            for lvl in tl.static_range(0, LEVELS):
+                acc_k = _pairs_level(acc_k, a, o_t, (BT // 2) >> lvl, d_at, b_q, scale, False,
+                                     op, DT, DOT_PREC)
+        elif KGATE:
             for lvl in range(0, LEVELS):  # one level's tiles live at a time
                 hl = (BT // 2) >> lvl
-                f = _factor(a, o_t, hl, DT)
-                m_t = _level_mask_t(o_t, hl)
                 if DK:
-                    w = tl.where(m_t, d_at, 0.).to(wide_dtype(op))
-                    acc_k += f * split_dot(w, b_q.to(tl.float32) * f, None, op, DOT_PREC) * scale
+                    acc_k = _pairs_level(acc_k, a, o_t, hl, d_at, b_q, scale, False, op, DT,
+                                         DOT_PREC)
                 if DV:
+                    f = _factor(a, o_t, hl, DT)
+                    m_t = _level_mask_t(o_t, hl)
                     # A^T [s, t] of the level: (x F)(x F)^T is symmetric, x = q on the rows
                     # of t's segments, k on s's
                     p = (tl.where(((o_t & hl) != 0)[:, None], b_q, b_k).to(tl.float32)
@@ -369,8 +387,8 @@ def supported(plan) -> bool:
 
 # The walks' launch sites (fused_chunk.SITES: the device table may set their warps and
 # chunk lengths), with the candidates the GPU kit's sweep tries
-SITES = {"bwd_dq": dict(num_warps=(4, 8), BT=(16, 32)),
-         "bwd_dk": dict(num_warps=(4, 8), BT=(16, 32)),
+SITES = {"bwd_dq": dict(num_warps=(4, 8), BT=(16, 32), stages=(1, 2)),
+         "bwd_dk": dict(num_warps=(4, 8), BT=(16, 32), stages=(1, 2)),
          "bwd_dv": dict(num_warps=(4, 8), SV=(32, 64, 128), BT=(16, 32),
                         with_dk=(False, True))}
 
@@ -390,14 +408,21 @@ def config(plan) -> dict:
     candidate); each walk's the device table's entry where it has one (`SITES`); fold:
     the walk that makes dk' finishes dq, dk and the gate's gradient itself (no combine
     pass: dk' never goes to HBM, q, k, v, do are not read again) but where a head gate's
-    gradient would be a sum over its K blocks."""
+    gradient would be a sum over its K blocks; stages: the dq and dk walks' software
+    pipelining (2: the next chunk's tiles loaded during this one, the level loop
+    unrolled, since the pipeliner takes no loop that holds a loop; else each chunk's
+    loads wait on the shared memory its previous products used), 2 for bf16 on sm_90
+    (the dk walk in fp16 spilled 24 B there at K = V = 128; a sweep candidate
+    elsewhere), else 1."""
     BK, BV = max(16, next_pow2(plan.K)), max(16, next_pow2(plan.V))
     wide = plan.dtype in ("bfloat16", "float16")
     warps = 4 if wide else 8
     # sm_90: the dv walk on all of V (A's levels built once a head) at 8 warps, on 32-token
     # chunks (half the serial steps)
     whole = wide and tuning.wgmma()
-    knobs = {site: tuning.pick(plan, "fused_chunk", site, dict(num_warps=warps, BT=BT))
+    stages = 2 if whole and plan.dtype == "bfloat16" else 1
+    knobs = {site: tuning.pick(plan, "fused_chunk", site,
+                               dict(num_warps=warps, BT=BT, stages=stages))
              for site in ("bwd_dq", "bwd_dk")}
     knobs["bwd_dv"] = tuning.pick(plan, "fused_chunk", "bwd_dv",
                                   dict(num_warps=8 if whole else warps,
@@ -409,7 +434,8 @@ def config(plan) -> dict:
     return dict(BK=BK, BV=BV, SK=SK, SV=SV,
                 warps={site: k["num_warps"] for site, k in knobs.items()},
                 chunks={site: k["BT"] for site, k in knobs.items()},
-                with_dk=with_dk, fold=plan.g != "head" or with_dk or SK >= plan.K)
+                with_dk=with_dk, fold=plan.g != "head" or with_dk or SK >= plan.K,
+                stages={site: knobs[site]["stages"] for site in ("bwd_dq", "bwd_dk")})
 
 
 def launches(plan, use_dht: bool) -> list:
@@ -474,7 +500,8 @@ def launches(plan, use_dht: bool) -> list:
                scalars=dict(scale=plan.scale, T=T),
                outputs=dict(dq=Out("dq_prime", (B, T, H, K)),
                             dfa=Out("dfa", (N, H, K)) if final_a else None),
-               constexprs=dict(walk["bwd_dq"], BK=c["SK"], BV=c["BV"], NK=nk),
+               constexprs=dict(walk["bwd_dq"], BK=c["SK"], BV=c["BV"], NK=nk,
+                               STAGES=c["stages"]["bwd_dq"]),
                num_warps=c["warps"]["bwd_dq"], dot_flops=dot_flops("bwd_dq"),
                bytes=int(qkvdo + f32)),
         *([] if merged else [Launch(
@@ -484,7 +511,7 @@ def launches(plan, use_dht: bool) -> list:
             scalars=dict(scale=plan.scale, T=T),
             outputs=dict(no_dk, **dk_walk["outputs"], dv=None, dh0=None),
             constexprs=dict(walk["bwd_dk"], BK=c["SK"], BV=c["BV"], NK=nk, NV=1, DK=True,
-                            DV=False, FOLD=fold),
+                            DV=False, FOLD=fold, STAGES=c["stages"]["bwd_dk"]),
             num_warps=c["warps"]["bwd_dk"], dot_flops=dot_flops("bwd_dk"),
             bytes=int(qkvdo + tokens * H * K * isz + dk_walk["bytes"]))]),
         # the dv walk (with_dk: and dk', all of K and V in one program)
@@ -497,7 +524,7 @@ def launches(plan, use_dht: bool) -> list:
                             dh0=Out("d_initial_state", (N, H, K, V))
                             if plan.initial_state else None),
                constexprs=dict(walk["bwd_dv"], BK=c["BK"], BV=c["SV"], NK=1, NV=nv, DK=merged,
-                               DV=True, FOLD=fold and merged),
+                               DV=True, FOLD=fold and merged, STAGES=1),
                num_warps=c["warps"]["bwd_dv"],
                dot_flops=dot_flops("bwd_dv") + (dot_flops("bwd_dk") if merged else 0),
                bytes=int(qkvdo + tokens * H * K * isz + tokens * H * V * (isz if own else 4)
