@@ -466,7 +466,8 @@ def test_sweep_leaves_out_candidates_that_change_nothing():
     """The full plan's sweep (planning only, no GPU): every candidate of a site gives other
     launch lists than the site's earlier ones (parity.gpu.sweep.by_site), the defaults
     first; fused_chunk's with_dk stays only where the dv walk has all of V (SV 128 at the
-    reference V = 128), and its forward's 12 tilings (warps x BKI x BV) all stay."""
+    reference V = 128), and its forward's 24 configs (warps x BKI x BV x stages) all
+    stay."""
     from parity.gpu import sweep
     from parity.gpu.plan import FULL
 
@@ -479,4 +480,4 @@ def test_sweep_leaves_out_candidates_that_change_nothing():
     dv = [k for _, _, k in sites["key", ("fused_chunk", "bwd_dv")][2]]
     assert {k["SV"] for k in dv if k["with_dk"]} == {128}
     assert len(dv) == 16  # 2 warps x 3 V blocks x 2 chunk lengths, + with_dk at SV 128
-    assert len(sites["key", ("fused_chunk", "fused_chunk_fwd_kernel")][2]) == 12
+    assert len(sites["key", ("fused_chunk", "fused_chunk_fwd_kernel")][2]) == 24

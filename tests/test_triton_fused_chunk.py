@@ -125,7 +125,8 @@ def test_two_value_blocks_and_wide_k():
     plan = contract.check(np.zeros((1, 1, 1, 100), np.float32),
                           np.zeros((1, 1, 1, 100), np.float32),
                           np.zeros((1, 1, 1, 80), np.float32))
-    assert fused_chunk.config(plan) == dict(BK=128, BKI=16, BV=32, NV=3, num_warps=8)
+    assert fused_chunk.config(plan) == dict(BK=128, BKI=16, BV=32, NV=3, num_warps=8,
+                                                 stages=1)
     assert_close(run_case(case), "float32")
 
 
@@ -237,10 +238,11 @@ SM90_CASES = [C("sm90", T=70, H=2, Hk=1, K=96, V=100, g="key", initial_state=Tru
 @pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: c.name)
 def test_sm90_tiles_bf16(case):
     """On a device of capability 9.x (faked; no SM count, so no split) the bf16 forward
-    with per-key decays takes all of V in one block (BV 128, 8 warps, key blocks of 128),
-    the dv walk all of V (SV 128, 8 warps) on 32-token chunks, the dq and dk walks pipelined
-    (level loops unrolled), where the CPU's plan
-    takes V blocks of 64 and 32 and 16-token chunks: forward and every
+    with per-key decays takes all of V in one block (BV 128, 8 warps, key blocks of 128,
+    its chunk loop pipelined: key blocks and levels unrolled), the dv walk all of V (SV
+    128, 8 warps) on 32-token chunks, the dq and dk walks pipelined (level loops
+    unrolled), where the CPU's plan takes V blocks of 64 and 32, 16-token chunks and
+    runtime loops: forward and every
     gradient within bf16's tolerance of the oracle, across several chunks, with K = 96 and
     V = 100 padded (masked key and value columns), reversed, and varlen with an empty and
     a one-token sequence under a head gate."""
@@ -252,7 +254,8 @@ def test_sm90_tiles_bf16(case):
         wide = (fused_chunk.config(plan), fused_chunk_bwd.config(plan))
         errs = run_case(case, "bfloat16", backward=True)
     assert (narrow[0]["BV"], narrow[0]["num_warps"], narrow[1]["SV"]) == (64, 4, 32)
-    assert wide[0] == dict(BK=128, BKI=128, BV=128, NV=1, num_warps=8)
+    assert wide[0] == dict(BK=128, BKI=128, BV=128, NV=1, num_warps=8, stages=2)
+    assert narrow[0]["stages"] == 1
     assert wide[1]["SV"] == 128 and wide[1]["warps"]["bwd_dv"] == 8
     assert wide[1]["chunks"] == dict(bwd_dq=16, bwd_dk=16, bwd_dv=32)
     assert narrow[1]["chunks"] == dict(bwd_dq=16, bwd_dk=16, bwd_dv=16)

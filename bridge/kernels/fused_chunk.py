@@ -44,7 +44,7 @@ Config: chunks of BT = 32 tokens ([BT, K] operand tiles of 64 rows beside an fp3
 state [128, 64] spilled on sm_90 at 8 warps; the chunk family's h / A stay in HBM
 instead, so it takes 64); all of K in one block (K <= 256, else blocks of SPLIT_BK
 over programs); V blocks of BV, warps and the intra-chunk K block BKI from `config`,
-pipelining stages from `STAGES`. Inside a chunk each block of BKI keys is loaded once
+pipelining stages from `config`. Inside a chunk each block of BKI keys is loaded once
 and gives every level of A (`_intra`).
 """
 
@@ -61,15 +61,13 @@ from .common import (block_pos, check_k, decay_k_in, exact_dtype, exp_, flags, g
                      varlen_input, wide_dtype)
 
 BT = 32
-# Software pipelining of the chunk loop: Triton's pipeliner does not take a loop whose
-# body holds loops (the levels'), so 1; unrolling those loops instead spilled.
-STAGES = 1
 # The launch sites the device table (bridge/tuning.py) may tune, with the candidate values
 # the GPU kit's sweep tries: "split", the segments per sequence (fused_chunk_split.py);
 # the forward's warps and intra-chunk K block (`config`); the backward walks'
 # (fused_chunk_bwd.SITES)
 SITES = {"split": split.SWEEP,
-         "fused_chunk_fwd_kernel": dict(num_warps=(4, 8), BKI=(32, 64, 128), BV=(64, 128)),
+         "fused_chunk_fwd_kernel": dict(num_warps=(4, 8), BKI=(32, 64, 128), BV=(64, 128),
+                                        stages=(1, 2)),
          **fused_chunk_bwd.SITES}
 
 
@@ -101,45 +99,82 @@ def _key_gate(c, DT: tl.constexpr, a, PER_KEY: tl.constexpr):
 
 
 @triton.jit
-def _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, k0, nki, H: tl.constexpr,
-           HK: tl.constexpr, K: tl.constexpr, BKI: tl.constexpr, G_MODE: tl.constexpr,
-           USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr, LEVELS: tl.constexpr,
-           DOT_PREC: tl.constexpr):
-    """A [BT, BT] fp32 of one chunk: scale sum_k q_tk k_sk exp(sum_{s<r<=t} a_rk) for
-    s <= t, 0 above the diagonal, the sum over the keys k0 .. k0 + nki BKI - 1 (all of K,
-    or the program's K block when K is split). Key-gated pairs by levels
-    (chunk_intra_kernel's construction), all of them from each block of BKI keys while
-    its q, k and decay tiles are loaded (once a chunk); the diagonal q_t . k_t ungated."""
+def _a_level(acc, o_t, h, a, b_q, b_k, scale, DT: tl.constexpr, PER_KEY: tl.constexpr,
+             op: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc [BT, BT] plus A's pairs of level h from one block of keys: q, k [BT, BKI] and
+    their log decays a (_key_decays)."""
+    f, _ = _key_gate(seg_matrix(o_t, h, DT), DT, a, PER_KEY)
+    p = (tl.where(((o_t & h) != 0)[:, None], b_q, b_k).to(tl.float32) * f).to(op)
+    # A region of its own (scale 0 makes A 0 either way): Triton gives two dots of one
+    # region that feed each other (seg_sums' and this) a row-only warp layout, which at
+    # BT = 32 rows repeats each product on num_warps / 2 warps
+    if scale != 0:
+        acc += tl.where(level_mask(o_t, h), tl.dot(p, tl.trans(p), input_precision=DOT_PREC),
+                        0.)
+    return acc
+
+
+@triton.jit
+def _intra_block(acc, diag, q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, kb,
+                 H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BKI: tl.constexpr,
+                 G_MODE: tl.constexpr, USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr,
+                 LEVELS: tl.constexpr, DOT_PREC: tl.constexpr, UNROLL: tl.constexpr):
+    """(acc, diag) plus the keys kb .. kb + BKI - 1 (`_intra`); UNROLL: the level loop
+    unrolled, else a runtime loop (one level's products live at a time)."""
     BT: tl.constexpr = pos.shape[0]
     o_t = tl.arange(0, BT)
     op: tl.constexpr = op_dtype(q.dtype.element_ty)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
     PER_KEY: tl.constexpr = (G_MODE == 2) or USE_GK
+    o_k = kb + tl.arange(0, BKI)
+    mask_k = o_k < K
+    b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
+    b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K).to(b_q.dtype)
+    if KGATE:
+        diag += tl.sum(b_q.to(op).to(tl.float32) * b_k.to(op).to(tl.float32), 1)
+        DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE,
+                                     USE_GK, GAMMA_MODE)
+        a = _key_decays(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K,
+                        G_MODE, USE_GK, GAMMA_MODE)
+        if UNROLL:
+            for lvl in tl.static_range(0, LEVELS):
+                acc = _a_level(acc, o_t, (BT // 2) >> lvl, a, b_q, b_k, scale, DT, PER_KEY,
+                               op, DOT_PREC)
+        else:
+            for lvl in range(0, LEVELS):
+                acc = _a_level(acc, o_t, (BT // 2) >> lvl, a, b_q, b_k, scale, DT, PER_KEY,
+                               op, DOT_PREC)
+    else:
+        acc = tl.dot(b_q.to(op), tl.trans(b_k.to(op)), acc, input_precision=DOT_PREC)
+    return acc, diag
+
+
+@triton.jit
+def _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, k0, nki, H: tl.constexpr,
+           HK: tl.constexpr, K: tl.constexpr, BKI: tl.constexpr, G_MODE: tl.constexpr,
+           USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr, LEVELS: tl.constexpr,
+           DOT_PREC: tl.constexpr, UNROLL: tl.constexpr):
+    """A [BT, BT] fp32 of one chunk: scale sum_k q_tk k_sk exp(sum_{s<r<=t} a_rk) for
+    s <= t, 0 above the diagonal, the sum over the keys k0 .. k0 + nki BKI - 1 (all of K,
+    or the program's K block when K is split). Key-gated pairs by levels
+    (chunk_intra_kernel's construction), all of them from each block of BKI keys while
+    its q, k and decay tiles are loaded (once a chunk); the diagonal q_t . k_t ungated.
+    UNROLL (all of K, k0 = 0): the key blocks and levels unrolled, for the pipeliner."""
+    BT: tl.constexpr = pos.shape[0]
+    o_t = tl.arange(0, BT)
+    KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
     acc = tl.zeros([BT, BT], dtype=tl.float32)
     diag = tl.zeros([BT], dtype=tl.float32)
-    for i_k in range(0, nki):
-        o_k = k0 + i_k * BKI + tl.arange(0, BKI)
-        mask_k = o_k < K
-        b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
-        b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K).to(b_q.dtype)
-        if KGATE:
-            diag += tl.sum(b_q.to(op).to(tl.float32) * b_k.to(op).to(tl.float32), 1)
-            DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE,
-                                         USE_GK, GAMMA_MODE)
-            a = _key_decays(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K,
-                            G_MODE, USE_GK, GAMMA_MODE)
-            for lvl in range(0, LEVELS):  # runtime: one level's products live at a time
-                h = (BT // 2) >> lvl
-                f, _ = _key_gate(seg_matrix(o_t, h, DT), DT, a, PER_KEY)
-                p = (tl.where(((o_t & h) != 0)[:, None], b_q, b_k).to(tl.float32) * f).to(op)
-                # A region of its own (scale 0 makes A 0 either way): Triton gives two dots
-                # of one region that feed each other (seg_sums' and this) a row-only warp
-                # layout, which at BT = 32 rows repeats each product on num_warps / 2 warps
-                if scale != 0:
-                    acc += tl.where(level_mask(o_t, h),
-                                    tl.dot(p, tl.trans(p), input_precision=DOT_PREC), 0.)
-        else:
-            acc = tl.dot(b_q.to(op), tl.trans(b_k.to(op)), acc, input_precision=DOT_PREC)
+    if UNROLL:
+        for i_k in tl.static_range(0, (K + BKI - 1) // BKI):
+            acc, diag = _intra_block(acc, diag, q, k, g, gk, gamma, row0, pos, mask_t, i_h,
+                                     i_hk, scale, i_k * BKI, H, HK, K, BKI, G_MODE, USE_GK,
+                                     GAMMA_MODE, LEVELS, DOT_PREC, True)
+    else:
+        for i_k in range(0, nki):
+            acc, diag = _intra_block(acc, diag, q, k, g, gk, gamma, row0, pos, mask_t, i_h,
+                                     i_hk, scale, k0 + i_k * BKI, H, HK, K, BKI, G_MODE,
+                                     USE_GK, GAMMA_MODE, LEVELS, DOT_PREC, False)
     if KGATE:
         acc = tl.where(o_t[:, None] == o_t[None, :], diag[:, None], acc)
     else:
@@ -233,7 +268,7 @@ def fused_chunk_fwd_kernel(
                 s_b += l_v
         else:
             b_a = _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, k0, nki, H, HK,
-                         K, BKI, G_MODE, USE_GK, GAMMA_MODE, LEVELS, DOT_PREC)
+                         K, BKI, G_MODE, USE_GK, GAMMA_MODE, LEVELS, DOT_PREC, STAGES > 1)
             b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K).to(tl.float32) * scale
             if KGATE:  # gated from the chunk's start
                 f, _ = _key_gate(seg_matrix(o_t, 2 * BT, DT), DT,
@@ -336,9 +371,13 @@ def config(plan) -> dict:
     spilled at 4 on sm_90). On sm_90 (`tuning.wgmma`) the lean forward with
     64 < V <= 128 and K <= 128 takes all of V in one block at 8 warps with key blocks
     BKI of 128: one program a head instead of one a V block, so A is built once
-    (spilled 1.6 KB on sm_80).
-    num_warps, BKI and BV: the device table's "fused_chunk_fwd_kernel" entry where it has
-    one (`SITES`)."""
+    (spilled 1.6 KB on sm_80), and its chunk loop software-pipelined (stages 2: the next
+    chunk's tiles loaded during this one; each chunk's loads had waited on the shared
+    memory its previous products used): the key blocks and level loops unrolled, since
+    Triton's pipeliner takes no loop that holds a loop (so never with gv's value levels
+    or K split; elsewhere 1, the unrolled products spilling beside narrower tiles).
+    num_warps, BKI, BV and stages: the device table's "fused_chunk_fwd_kernel" entry
+    where it has one (`SITES`)."""
     check_k(plan, "fused_chunk")
     split, half = plan.K > SPLIT_K, plan.dtype in ("bfloat16", "float16")
     # fp32 state products (fp32's, fp16's at tf32) beside gv's: K blocks of 32 when split
@@ -356,10 +395,11 @@ def config(plan) -> dict:
     knobs = tuning.pick(plan, "fused_chunk", "fused_chunk_fwd_kernel",
                         dict(num_warps=8 if whole else 4 if lean or (half and split) else 8,
                              BKI=128 if whole else 64 if lean else chunk.intra_bk(plan),
-                             BV=128 if whole else BV))
+                             BV=128 if whole else BV, stages=2 if whole else 1))
     BV = min(knobs["BV"], max(16, next_pow2(plan.V)))
     return dict(BK=BK, BKI=min(BK, knobs["BKI"]), BV=BV, NV=-(-plan.V // BV),
-                num_warps=knobs["num_warps"])
+                num_warps=knobs["num_warps"],
+                stages=knobs["stages"] if not plan.gv and not split else 1)
 
 
 def forward_launches(plan) -> list:
@@ -393,8 +433,9 @@ def forward_launches(plan) -> list:
             scalars=dict(scale=plan.scale, T=T), outputs=dict(dict(la=None, lb=None), **outputs),
             constexprs=dict(dict(flags(plan), BT=BT, BK=c["BK"], BKI=c["BKI"], BV=c["BV"],
                                  LEVELS=levels, DOT_PREC=chunk.dot_precision(),
-                                 STAGES=STAGES), **kw),
-            num_warps=c["num_warps"], num_stages=STAGES, dot_flops=int(flops), bytes=int(nbytes))
+                                 STAGES=c["stages"]), **kw),
+            num_warps=c["num_warps"], num_stages=c["stages"], dot_flops=int(flops),
+            bytes=int(nbytes))
 
     final = Out("final_state", (N, H, K, V))
     o = dict(o=Out("o", (B, T, H, V), "like:q"), ht=final)
