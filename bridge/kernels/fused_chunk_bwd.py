@@ -271,9 +271,9 @@ def fused_chunk_bwd_dkv_kernel(
             vdo = tl.sum(tl.where(o_t[:, None] == o_t[None, :], d_at, 0.), 1) * scale
             if not KGATE:
                 b_dq = load_tile(dq_prime, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
-            carry = _finish(b_q, b_k, b_dq, acc_k, vdo, carry, (nc - 1 - i) * BT + o_t, n, row0, pos, mask_t,
-                            i_h, o_k, mask_k, dq, dk, da, dg_head, H, K, G_MODE, USE_GK,
-                            USE_H0)
+            carry = _finish(b_q, b_k, b_dq, acc_k, vdo, carry, (nc - 1 - i) * BT + o_t, n,
+                            row0, pos, mask_t, i_h, o_k, mask_k, dq, dk, da, dg_head, H, K,
+                            G_MODE, USE_GK, USE_H0)
         elif DK:
             tl.store(tile_ptrs(dk, row0, pos, i_h, o_k, H, K), acc_k,
                      mask=mask_t[:, None] & mask_k[None, :])
