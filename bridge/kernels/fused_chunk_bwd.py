@@ -198,6 +198,7 @@ def fused_chunk_bwd_dkv_kernel(
     and the gate's gradient (dg_head only with all of K, NK = 1). DV (all of K, NK = 1):
     dv per query head [B,T,H,V] with the step's own term, and (USE_H0) dh0 [N,H,K,V]
     fp32."""
+    tl.static_assert(STAGES == 1 or (DK and not DV), "a pipelined walk is the dk walk alone")
     scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     i_nh, i_h, i_hk, bos, eos, gamma, base, o_k, o_v, mask_k, mask_v, p_kv = _program(
         cu_seqlens, g_gamma, T, H, HK, K, V, BK, BV, NK, NV, IS_VARLEN, GAMMA_MODE)
@@ -209,9 +210,7 @@ def fused_chunk_bwd_dkv_kernel(
     b_dh = _state_in(dht, base, p_kv, mask_k, mask_v, USE_DHT)
     n = eos - bos
     nc = tl.cdiv(n, BT)
-    carry = tl.zeros([BK], dtype=tl.float32)
-    if FOLD and USE_DHT and ((G_MODE > 0) or USE_GK):
-        carry += tl.load(dfa + i_nh * K + o_k, mask=mask_k, other=0.)
+    carry = _carry_in(dfa, i_nh, o_k, mask_k, K, FOLD and USE_DHT and ((G_MODE > 0) or USE_GK))
     for i in tl.range(0, nc, num_stages=STAGES):
         row0, pos, mask_t = block_pos(bos, eos, (nc - 1 - i) * BT, BT, REVERSE)
         a = _key_decays(g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K, G_MODE,
@@ -290,6 +289,16 @@ def fused_chunk_bwd_dkv_kernel(
 
 
 @triton.jit
+def _carry_in(dfa, i_nh, o_k, mask_k, K: tl.constexpr, USE: tl.constexpr):
+    """`_finish`'s carry before the last chunk [BK]: the final state's term dfa [N,H,K]
+    (USE: with dht and g or gk), else 0."""
+    carry = tl.zeros(o_k.shape, dtype=tl.float32)
+    if USE:
+        carry += tl.load(dfa + i_nh * K + o_k, mask=mask_k, other=0.)
+    return carry
+
+
+@triton.jit
 def _finish(b_q, b_k, b_dq, b_dk, vdo, carry, p, n, row0, pos, mask_t, i_h, o_k, mask_k,
             dq, dk, da, dg_head, H: tl.constexpr, K: tl.constexpr, G_MODE: tl.constexpr,
             USE_GK: tl.constexpr, USE_H0: tl.constexpr):
@@ -349,9 +358,7 @@ def fused_chunk_bwd_combine_kernel(
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BV)
     mask_k, mask_v = o_k < K, o_v < V
-    carry = tl.zeros([BK], dtype=tl.float32)
-    if USE_DHT and KGATE:
-        carry += tl.load(dfa + i_nh * K + o_k, mask=mask_k, other=0.)
+    carry = _carry_in(dfa, i_nh, o_k, mask_k, K, USE_DHT and KGATE)
     for i in range(0, nc):
         p = (nc - 1 - i) * BT + o_t  # processing positions of the chunk
         row0, pos, mask_t = block_pos(bos, eos, (nc - 1 - i) * BT, BT, REVERSE)
@@ -490,8 +497,9 @@ def launches(plan, use_dht: bool) -> list:
                        bytes=f32 + finals_bytes)
     else:
         dk_walk = dict(outputs=dict(dk=Out("dk_prime", (B, T, H, K))),
-                       inputs=dict(dq_prime=None, dfa=None), bytes=f32)
-    no_dk = dict(dk=None, dq=None, da=None, dg_head=None)
+                       inputs=dict.fromkeys(("dq_prime", "dfa")), bytes=f32)
+    no_dk = dict(dk=None, dq=None, da=None, dg_head=None)  # the dv walk without dk'
+    no_dk_in = dict.fromkeys(dk_walk["inputs"])
     return [
         Launch(fused_chunk_bwd_dq_kernel, grid=(nk * N * H,),
                inputs=dict(q="q", k="k", v="v", **gates,
@@ -517,7 +525,7 @@ def launches(plan, use_dht: bool) -> list:
         # the dv walk (with_dk: and dk', all of K and V in one program)
         Launch(fused_chunk_bwd_dkv_kernel, grid=(nv * N * H,),
                inputs=dict(q="q", k="k", v="v", **gates, **cu, do="do", dht=dht,
-                           **(dk_walk["inputs"] if merged else dict(dq_prime=None, dfa=None))),
+                           **(dk_walk["inputs"] if merged else no_dk_in)),
                scalars=dict(scale=plan.scale, T=T),
                outputs=dict(no_dk, **(dk_walk["outputs"] if merged else {}),
                             dv=Out("dv_h", (B, T, H, V), "like:v" if own else "float32"),
