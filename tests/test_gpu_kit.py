@@ -479,5 +479,6 @@ def test_sweep_leaves_out_candidates_that_change_nothing():
         assert cands[0][2] == tuning.sites(p, mode)[(fam, site)], (gates, site)
     dv = [k for _, _, k in sites["key", ("fused_chunk", "bwd_dv")][2]]
     assert {k["SV"] for k in dv if k["with_dk"]} == {128}
-    assert len(dv) == 16  # 2 warps x 3 V blocks x 2 chunk lengths, + with_dk at SV 128
+    # 2 warps x 3 V blocks x 2 chunk lengths, + with_dk at SV 128, each at 2 stages
+    assert len(dv) == 32
     assert len(sites["key", ("fused_chunk", "fused_chunk_fwd_kernel")][2]) == 24

@@ -181,6 +181,26 @@ def _level_mask_t(o_t, h):
 
 
 @triton.jit
+def _reverse_level(acc_k, acc_v, a, o_t, hl, d_at, b_q, b_k, b_do, scale, op: tl.constexpr,
+                   DT: tl.constexpr, DOT_PREC: tl.constexpr, DK: tl.constexpr,
+                   DV: tl.constexpr):
+    """The reverse walk's pairs s < t of level hl: (DK) dk' acc_k [BT, BK] from dA^T d_at
+    and q (`_pairs_level`), (DV) dv acc_v [BT, BV] plus (A^T of the level) do."""
+    if DK:
+        acc_k = _pairs_level(acc_k, a, o_t, hl, d_at, b_q, scale, False, op, DT, DOT_PREC)
+    if DV:
+        f = _factor(a, o_t, hl, DT)
+        m_t = _level_mask_t(o_t, hl)
+        # A^T [s, t] of the level: (x F)(x F)^T is symmetric, x = q on the rows of t's
+        # segments, k on s's
+        p = (tl.where(((o_t & hl) != 0)[:, None], b_q, b_k).to(tl.float32) * f).to(op)
+        a_t = tl.dot(p, tl.trans(p), input_precision=DOT_PREC)
+        acc_v += op_dot(tl.where(m_t, a_t * scale, 0.).to(wide_dtype(op)), b_do, None, op,
+                        DOT_PREC)
+    return acc_k, acc_v
+
+
+@triton.jit
 def fused_chunk_bwd_dkv_kernel(
     q, k, v, g, gk, g_gamma, cu_seqlens, do, dht, dq_prime, dfa,
     scale, T,
@@ -198,7 +218,6 @@ def fused_chunk_bwd_dkv_kernel(
     and the gate's gradient (dg_head only with all of K, NK = 1). DV (all of K, NK = 1):
     dv per query head [B,T,H,V] with the step's own term, and (USE_H0) dh0 [N,H,K,V]
     fp32."""
-    tl.static_assert(STAGES == 1 or (DK and not DV), "a pipelined walk is the dk walk alone")
     scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     i_nh, i_h, i_hk, bos, eos, gamma, base, o_k, o_v, mask_k, mask_v, p_kv = _program(
         cu_seqlens, g_gamma, T, H, HK, K, V, BK, BV, NK, NV, IS_VARLEN, GAMMA_MODE)
@@ -222,6 +241,7 @@ def fused_chunk_bwd_dkv_kernel(
         if FOLD and KGATE:  # in flight through the level loop (without it, loaded late:
             # one tile fewer live beside the products, which spilled in fp16 on sm_80)
             b_dq = load_tile(dq_prime, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
+        acc_k, acc_v, d_at = 0., 0., 0.  # the absent walk's, passed through the levels
         # through the chunk end's state gradient
         if DK:
             acc_k = op_dot(b_v, b_dh, None, op, DOT_PREC, TRANS=True)
@@ -237,26 +257,14 @@ def fused_chunk_bwd_dkv_kernel(
             # the step's own term: A's diagonal, ungated
             diag = tl.sum(b_q.to(tl.float32) * b_k.to(tl.float32), 1) * scale
             acc_v += diag[:, None] * b_do.to(tl.float32)
-        if KGATE and STAGES > 1:  # DK alone: the pipeliner takes no loop that holds a loop
+        if KGATE and STAGES > 1:  # the pipeliner takes no loop that holds a loop
             for lvl in tl.static_range(0, LEVELS):
-                acc_k = _pairs_level(acc_k, a, o_t, (BT // 2) >> lvl, d_at, b_q, scale, False,
-                                     op, DT, DOT_PREC)
+                acc_k, acc_v = _reverse_level(acc_k, acc_v, a, o_t, (BT // 2) >> lvl, d_at, b_q,
+                                              b_k, b_do, scale, op, DT, DOT_PREC, DK, DV)
         elif KGATE:
             for lvl in range(0, LEVELS):  # one level's tiles live at a time
-                hl = (BT // 2) >> lvl
-                if DK:
-                    acc_k = _pairs_level(acc_k, a, o_t, hl, d_at, b_q, scale, False, op, DT,
-                                         DOT_PREC)
-                if DV:
-                    f = _factor(a, o_t, hl, DT)
-                    m_t = _level_mask_t(o_t, hl)
-                    # A^T [s, t] of the level: (x F)(x F)^T is symmetric, x = q on the rows
-                    # of t's segments, k on s's
-                    p = (tl.where(((o_t & hl) != 0)[:, None], b_q, b_k).to(tl.float32)
-                         * f).to(op)
-                    a_t = tl.dot(p, tl.trans(p), input_precision=DOT_PREC)
-                    acc_v += op_dot(tl.where(m_t, a_t * scale, 0.).to(wide_dtype(op)), b_do,
-                                    None, op, DOT_PREC)
+                acc_k, acc_v = _reverse_level(acc_k, acc_v, a, o_t, (BT // 2) >> lvl, d_at, b_q,
+                                              b_k, b_do, scale, op, DT, DOT_PREC, DK, DV)
         else:
             later = o_t[:, None] < o_t[None, :]
             if DK:
@@ -397,7 +405,7 @@ def supported(plan) -> bool:
 SITES = {"bwd_dq": dict(num_warps=(4, 8), BT=(16, 32), stages=(1, 2)),
          "bwd_dk": dict(num_warps=(4, 8), BT=(16, 32), stages=(1, 2)),
          "bwd_dv": dict(num_warps=(4, 8), SV=(32, 64, 128), BT=(16, 32),
-                        with_dk=(False, True))}
+                        with_dk=(False, True), stages=(1, 2))}
 
 
 def config(plan) -> dict:
@@ -415,12 +423,13 @@ def config(plan) -> dict:
     candidate); each walk's the device table's entry where it has one (`SITES`); fold:
     the walk that makes dk' finishes dq, dk and the gate's gradient itself (no combine
     pass: dk' never goes to HBM, q, k, v, do are not read again) but where a head gate's
-    gradient would be a sum over its K blocks; stages: the dq and dk walks' software
-    pipelining (2: the next chunk's tiles loaded during this one, the level loop
-    unrolled, since the pipeliner takes no loop that holds a loop; else each chunk's
-    loads wait on the shared memory its previous products used), 2 for bf16 on sm_90
-    (the dk walk in fp16 spilled 24 B there at K = V = 128; a sweep candidate
-    elsewhere), else 1."""
+    gradient would be a sum over its K blocks; stages: each walk's software pipelining
+    (2: the next chunk's tiles loaded during this one, the level loop unrolled, since the
+    pipeliner takes no loop that holds a loop; else each chunk's loads wait on the shared
+    memory its previous products used), 2 for bf16 on sm_90 but the dv walk's with a
+    head gate (its decays broadcast over K beside the unrolled levels spilled 56-80 B at
+    K = V = 128; the dk walk in fp16 24 B; the dv walk on sm_80's tiles 15.9 KB: sweep
+    candidates elsewhere), else 1."""
     BK, BV = max(16, next_pow2(plan.K)), max(16, next_pow2(plan.V))
     wide = plan.dtype in ("bfloat16", "float16")
     warps = 4 if wide else 8
@@ -434,7 +443,8 @@ def config(plan) -> dict:
     knobs["bwd_dv"] = tuning.pick(plan, "fused_chunk", "bwd_dv",
                                   dict(num_warps=8 if whole else warps,
                                        SV=BV if whole else 32 if wide else 16,
-                                       BT=32 if whole else BT, with_dk=False))
+                                       BT=32 if whole else BT, with_dk=False,
+                                       stages=1 if plan.g == "head" else stages))
     SV = min(knobs["bwd_dv"]["SV"], BV)
     SK = min(64 if wide else 16, BK)
     with_dk = bool(knobs["bwd_dv"]["with_dk"]) and SV >= BV
@@ -442,7 +452,7 @@ def config(plan) -> dict:
                 warps={site: k["num_warps"] for site, k in knobs.items()},
                 chunks={site: k["BT"] for site, k in knobs.items()},
                 with_dk=with_dk, fold=plan.g != "head" or with_dk or SK >= plan.K,
-                stages={site: knobs[site]["stages"] for site in ("bwd_dq", "bwd_dk")})
+                stages={site: k["stages"] for site, k in knobs.items()})
 
 
 def launches(plan, use_dht: bool) -> list:
@@ -532,7 +542,8 @@ def launches(plan, use_dht: bool) -> list:
                             dh0=Out("d_initial_state", (N, H, K, V))
                             if plan.initial_state else None),
                constexprs=dict(walk["bwd_dv"], BK=c["BK"], BV=c["SV"], NK=1, NV=nv, DK=merged,
-                               DV=True, FOLD=fold and merged, STAGES=1),
+                               DV=True, FOLD=fold and merged,
+                               STAGES=c["stages"]["bwd_dv"]),
                num_warps=c["warps"]["bwd_dv"],
                dot_flops=dot_flops("bwd_dv") + (dot_flops("bwd_dk") if merged else 0),
                bytes=int(qkvdo + tokens * H * K * isz + tokens * H * V * (isz if own else 4)
