@@ -466,7 +466,7 @@ def test_sweep_leaves_out_candidates_that_change_nothing():
     """The full plan's sweep (planning only, no GPU): every candidate of a site gives other
     launch lists than the site's earlier ones (parity.gpu.sweep.by_site), the defaults
     first; fused_chunk's with_dk stays only where the dv walk has all of V (SV 128 at the
-    reference V = 128), and its forward's 24 configs (warps x BKI x BV x stages) all
+    reference V = 128), and its forward's 48 configs (warps x BKI x BV x stages x BT) all
     stay."""
     from parity.gpu import sweep
     from parity.gpu.plan import FULL
@@ -481,4 +481,4 @@ def test_sweep_leaves_out_candidates_that_change_nothing():
     assert {k["SV"] for k in dv if k["with_dk"]} == {128}
     # 2 warps x 3 V blocks x 2 chunk lengths, + with_dk at SV 128, each at 2 stages
     assert len(dv) == 32
-    assert len(sites["key", ("fused_chunk", "fused_chunk_fwd_kernel")][2]) == 24
+    assert len(sites["key", ("fused_chunk", "fused_chunk_fwd_kernel")][2]) == 48

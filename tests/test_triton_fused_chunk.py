@@ -38,9 +38,10 @@ def run_family(case, arrays, dtype, backward=False, use_dht=True):
     plan, env, t = cases.launch_env(case, arrays, dtype)
     mod = family("fused_chunk")
     launches = mod.forward_launches(plan)
-    # one launch; past K = 256, the K blocks' partial outputs and their sum
+    # one launch; past K = 256 (64 in fp32), the K blocks' partial outputs and their sum
+    split_k = fused_chunk.SPLIT_K if plan.dtype != "float32" else fused_chunk.SPLIT_K_FP32
     assert [{o.name for o in x.writes()} for x in launches] == (
-        [set(FORWARD)] if plan.K <= fused_chunk.SPLIT_K else [{"o_part", "final_state"}, {"o"}])
+        [set(FORWARD)] if plan.K <= split_k else [{"o_part", "final_state"}, {"o"}])
     torch_runner.run(launches, env)
     assert env["o"].dtype == t["q"].dtype and env["final_state"].dtype == torch.float32
     out = {"o": env["o"], "final_state": env["final_state"]}
@@ -120,14 +121,41 @@ def test_low_precision(dtype, T):
 
 
 def test_two_value_blocks_and_wide_k():
-    """K = 100 (one padded 128 block), V = 80 in fp32: three V blocks of 32."""
+    """K = 100, V = 80 in fp32: K split past 64 (FMA products keep whole K rows per
+    thread), in 4 blocks of 32 with gv (the last one masked) on 16-token chunks, three V
+    blocks of 32; 64 keys in one block on 32-token chunks."""
     case = C("blocks", T=72, H=1, Hk=1, K=100, V=80, g="head", gv=True, initial_state=True)
-    plan = contract.check(np.zeros((1, 1, 1, 100), np.float32),
-                          np.zeros((1, 1, 1, 100), np.float32),
-                          np.zeros((1, 1, 1, 80), np.float32))
-    assert fused_chunk.config(plan) == dict(BK=128, BKI=16, BV=32, NV=3, num_warps=8,
-                                                 stages=1)
+
+    def plan(K, gv):
+        return contract.check(np.zeros((1, 1, 1, K), np.float32),
+                              np.zeros((1, 1, 1, K), np.float32),
+                              np.zeros((1, 1, 1, 80), np.float32),
+                              gv=np.zeros((1, 1, 1, 80), np.float32) if gv else None)
+
+    assert fused_chunk.config(plan(100, True)) == dict(BK=32, BKI=16, BV=32, NV=3,
+                                                       num_warps=8, stages=1, BT=16)
+    assert fused_chunk.config(plan(100, False))["BK"] == 64
+    assert fused_chunk.config(plan(64, False)) == dict(BK=64, BKI=16, BV=32, NV=3,
+                                                       num_warps=8, stages=1, BT=32)
     assert_close(run_case(case), "float32")
+
+
+def test_bf16_key_decays_past_64_keys_on_16_token_chunks():
+    """Without wgmma (sm_80's plan, the CPU's) bf16 with per-key decays over more than 64
+    keys takes 16-token chunks (its lean 32-token tiles spilled on sm_80), 64 keys and a
+    head gate 32: against the oracle, forward and every gradient, across several chunks."""
+    bf16 = [torch.zeros(1, 1, h, d, dtype=torch.bfloat16) for h, d in ((2, 96), (1, 96),
+                                                                       (1, 40))]
+
+    def bt(K, g):
+        qk = [x[..., :K] for x in bf16[:2]]
+        return fused_chunk.config(contract.check(*qk, bf16[2], g=g[..., :K] if g.ndim == 4
+                                                 else g))["BT"]
+
+    key, head = torch.zeros(1, 1, 2, 96, dtype=torch.bfloat16), torch.zeros(1, 1, 2)
+    assert (bt(96, key), bt(64, key), bt(96, head)) == (16, 32, 32)
+    case = C("bf16-key-96", T=70, H=2, Hk=1, K=96, V=40, g="key", initial_state=True)
+    assert_close(run_case(case, "bfloat16", backward=True), "bfloat16")
 
 
 def test_one_token_sequences_and_empty():
@@ -254,7 +282,7 @@ def test_sm90_tiles_bf16(case):
         wide = (fused_chunk.config(plan), fused_chunk_bwd.config(plan))
         errs = run_case(case, "bfloat16", backward=True)
     assert (narrow[0]["BV"], narrow[0]["num_warps"], narrow[1]["SV"]) == (64, 4, 32)
-    assert wide[0] == dict(BK=128, BKI=128, BV=128, NV=1, num_warps=8, stages=2)
+    assert wide[0] == dict(BK=128, BKI=128, BV=128, NV=1, num_warps=8, stages=2, BT=32)
     assert narrow[0]["stages"] == 1
     assert wide[1]["SV"] == 128 and wide[1]["warps"]["bwd_dv"] == 8
     assert wide[1]["chunks"] == dict(bwd_dq=16, bwd_dk=16, bwd_dv=32)
@@ -295,13 +323,17 @@ def test_k_too_large_raises():
         fused_chunk.forward_launches(plan)
 
 
-@pytest.mark.parametrize("K,NK", [(256, 1), (257, 5), (300, 5), (320, 5), (512, 8)])
-def test_k_split_plan(K, NK):
-    """Past K = 256 the forward runs ceil(K / 64) programs per (sequence x head, V block)
-    and the partial sum, even where the sequence split is forced; up to 256 one launch
-    (values against the oracle: tests/test_wide_heads.py)."""
-    qk = np.zeros((1, 64, 2, K), np.float32)
-    plan = contract.check(qk, qk, np.zeros((1, 64, 2, 40), np.float32))
+@pytest.mark.parametrize("K,NK,dtype", [(256, 1, np.float16), (257, 5, np.float16),
+                                        (300, 5, np.float16), (320, 5, np.float16),
+                                        (512, 8, np.float16), (64, 1, np.float32),
+                                        (65, 2, np.float32), (100, 2, np.float32)])
+def test_k_split_plan(K, NK, dtype):
+    """Past K = 256 (64 in fp32) the forward runs ceil(K / 64) programs per (sequence x
+    head, V block) and the partial sum, even where the sequence split is forced; up to
+    there one launch (values against the oracle: tests/test_wide_heads.py,
+    test_two_value_blocks_and_wide_k)."""
+    qk = np.zeros((1, 64, 2, K), dtype)
+    plan = contract.check(qk, qk, np.zeros((1, 64, 2, 40), dtype))
     with tuning.overriding({("fused_chunk", "split"): dict(segments=2)}):
         launches = fused_chunk.forward_launches(plan)
     if NK == 1:

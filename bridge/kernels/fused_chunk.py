@@ -20,7 +20,8 @@ segments run by separate programs and their states combined (fused_chunk_split.p
 launches of which this kernel is two, `NS` and `LOCAL`); the factor is the "split" site
 of the device table (`SITES`).
 
-Past K = 256 (up to 512, dispatch.HEAD_DIMS) K is split over programs instead (`SPLIT_K`):
+Past K = 256 (up to 512, dispatch.HEAD_DIMS; past 64 in fp32) K is split over programs
+instead (`SPLIT_K`):
 one per (sequence x head, K block, V block), each with its own block of S, writing its
 partial o to o_part [B,T,H,NK,V] fp32 (NK x 4 bytes an output element: 32 at K = 512),
 which fused_chunk_ksum_kernel sums into o; no sequence split there.
@@ -42,10 +43,11 @@ through the chunk list (h and dh 268 MB each in bf16).
 
 Config: chunks of BT = 32 tokens ([BT, K] operand tiles of 64 rows beside an fp32
 state [128, 64] spilled on sm_90 at 8 warps; the chunk family's h / A stay in HBM
-instead, so it takes 64); all of K in one block (K <= 256, else blocks of SPLIT_BK
-over programs); V blocks of BV, warps and the intra-chunk K block BKI from `config`,
-pipelining stages from `config`. Inside a chunk each block of BKI keys is loaded once
-and gives every level of A (`_intra`).
+instead, so it takes 64), 16 where 32 spilled on sm_80 (`config`); all of K in one
+block (K <= 256, 64 in fp32, else blocks of SPLIT_BK over programs); V blocks of BV,
+warps and the intra-chunk K block BKI from `config`, pipelining stages from `config`.
+Inside a chunk each block of BKI keys is loaded once and gives every level of A
+(`_intra`).
 """
 
 import triton
@@ -67,7 +69,7 @@ BT = 32
 # (fused_chunk_bwd.SITES)
 SITES = {"split": split.SWEEP,
          "fused_chunk_fwd_kernel": dict(num_warps=(4, 8), BKI=(32, 64, 128), BV=(64, 128),
-                                        stages=(1, 2)),
+                                        stages=(1, 2), BT=(16, 32)),
          **fused_chunk_bwd.SITES}
 
 
@@ -341,23 +343,26 @@ def fused_chunk_ksum_kernel(x, M, o, V: tl.constexpr, NK: tl.constexpr, BM: tl.c
 
 # ---------------------------------------------------------------- launch plans
 
-# Past K = 256 the forward splits K over programs (a K-block program axis): each program
-# holds its [SPLIT_BK, BV] block of the state and the final state, and writes its partial
-# o = (its q columns) S + (A over its keys) v in fp32 (everything is linear in the split);
-# fused_chunk_ksum_kernel adds the partials. Up to 256 all of K stays in one program.
+# Past K = 256 (SPLIT_K; past 64 in fp32, SPLIT_K_FP32: its FMA products keep a whole K
+# row per thread, which spilled 0.4-1.4 KB at K = 96 and 128 on sm_80 and sm_90 on 32- or
+# 16-token chunks) the forward splits K over programs (a K-block program axis): each
+# program holds its [SPLIT_BK, BV] block of the state and the final state, and writes its
+# partial o = (its q columns) S + (A over its keys) v in fp32 (everything is linear in the
+# split); fused_chunk_ksum_kernel adds the partials. Below, all of K in one program.
 # Blocks of 64 (128 spilled with gv and key decays, and in fp32), 32 with gv but in bf16; V
 # blocks narrower than below SPLIT_K beside a K block's decays (`config`): every gate
 # combination and dtype at K = 320 and 512 builds without spills on sm_80 and sm_90.
 SPLIT_K = 256
+SPLIT_K_FP32 = 64
 SPLIT_BK = 64
 KSUM_BM = 64  # the partial sum's rows a program: [64, 64] fp32, 16 registers a thread
 
 
 def config(plan) -> dict:
     """Tiles: all of K in one block (the state is one register tile), or past K = SPLIT_K
-    blocks of SPLIT_BK over programs (NK = ceil(K / BK) of them), V blocks of BV: 64
-    columns (an fp32 state [128, 64]: 32 registers a thread at 8 warps, 64 at 4) where
-    that builds without spills on sm_80 and sm_90 (`python -m parity.compiled --family
+    (SPLIT_K_FP32 in fp32) blocks of SPLIT_BK over programs (NK = ceil(K / BK) of them), V
+    blocks of BV: 64 columns (an fp32 state [128, 64]: 32 registers a thread at 8 warps, 64
+    at 4) where that builds without spills on sm_80 and sm_90 (`python -m parity.compiled --family
     fused_chunk`), else 32: with gv (its level products beside the state), with key
     decays the same for every key (g [B,T,H] or g_gamma alone: their broadcasts), for
     fp32 (FMA products) and for K blocks over 128. With K split, 64 columns only for
@@ -376,10 +381,15 @@ def config(plan) -> dict:
     memory its previous products used): the key blocks and level loops unrolled, since
     Triton's pipeliner takes no loop that holds a loop (so never with gv's value levels
     or K split; elsewhere 1, the unrolled products spilling beside narrower tiles).
-    num_warps, BKI, BV and stages: the device table's "fused_chunk_fwd_kernel" entry
-    where it has one (`SITES`)."""
+    Chunks of BT = 32 tokens but 16 where 32 spilled with sm_80's mma.sync (operands in
+    registers; `tuning.wgmma` false, as on the CPU): bf16 with per-key decays over more
+    than 64 keys (the lean tiles: 0.6 KB spilled at K = 128 on 32-token chunks; V blocks
+    of 32 at 8 warps instead, spill-free on 32, ran about 3x the time model's chain) and
+    fp32 with gv. num_warps, BKI, BV, stages and BT: the device table's
+    "fused_chunk_fwd_kernel" entry where it has one (`SITES`)."""
     check_k(plan, "fused_chunk")
-    split, half = plan.K > SPLIT_K, plan.dtype in ("bfloat16", "float16")
+    half = plan.dtype in ("bfloat16", "float16")
+    split = plan.K > (SPLIT_K if half else SPLIT_K_FP32)
     # fp32 state products (fp32's, fp16's at tf32) beside gv's: K blocks of 32 when split
     BK = (max(16, next_pow2(plan.K)) if not split
           else SPLIT_BK if plan.dtype == "bfloat16" or not plan.gv else SPLIT_BK // 2)
@@ -387,6 +397,12 @@ def config(plan) -> dict:
     wide = half and BK <= 128 and not plan.gv and (not key_gated(plan) if split else per_key)
     BV = min(16 if split and half and plan.gv else 64 if wide else 32,
              max(16, next_pow2(plan.V)))
+    # 16-token chunks where 32 spilled on sm_80 (mma.sync: operands in registers): bf16's
+    # lean tiles with per-key decays over more than 64 keys (0.6 KB) and fp32 with gv (its
+    # value levels' FMA products beside the state: 132-168 B at K = 64)
+    keyed = plan.g == "key" or plan.gk
+    bt = (16 if not tuning.wgmma() and (plan.dtype == "bfloat16" and keyed and BK > 64
+                                         or plan.dtype == "float32" and plan.gv) else BT)
     lean = plan.dtype == "bfloat16" and not plan.gv and not split
     # wgmma reads its operands from shared memory: registers enough for a [K, 128] state
     # beside A's products, so all of V in one block (A built once a head, not once a V
@@ -395,11 +411,11 @@ def config(plan) -> dict:
     knobs = tuning.pick(plan, "fused_chunk", "fused_chunk_fwd_kernel",
                         dict(num_warps=8 if whole else 4 if lean or (half and split) else 8,
                              BKI=128 if whole else 64 if lean else chunk.intra_bk(plan),
-                             BV=128 if whole else BV, stages=2 if whole else 1))
+                             BV=128 if whole else BV, stages=2 if whole else 1, BT=bt))
     BV = min(knobs["BV"], max(16, next_pow2(plan.V)))
     return dict(BK=BK, BKI=min(BK, knobs["BKI"]), BV=BV, NV=-(-plan.V // BV),
                 num_warps=knobs["num_warps"],
-                stages=knobs["stages"] if not plan.gv and not split else 1)
+                stages=knobs["stages"] if not plan.gv and not split else 1, BT=knobs["BT"])
 
 
 def forward_launches(plan) -> list:
@@ -412,6 +428,7 @@ def forward_launches(plan) -> list:
     B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
     NK = -(-K // c["BK"])
     # not both splits: the sequence split's combine holds all of K of a state
+    BT = c["BT"]
     NS = split.segments(plan, c["NV"] * N * H, BT) if NK == 1 else 1
     levels = BT.bit_length() - 1
     chunks = T // BT + N if plan.varlen else B * -(-T // BT)
