@@ -122,21 +122,23 @@ def test_low_precision(dtype, T):
 
 def test_two_value_blocks_and_wide_k():
     """K = 100, V = 80 in fp32: K split past 64 (FMA products keep whole K rows per
-    thread), in 4 blocks of 32 with gv (the last one masked) on 16-token chunks, three V
-    blocks of 32; 64 keys in one block on 32-token chunks."""
+    thread), in 4 blocks of 32 with gv (the last one masked), three V blocks of 32; 64
+    keys in one block; 16-token chunks with gv and per-key decays (the CPU's plan, as
+    sm_80's)."""
     case = C("blocks", T=72, H=1, Hk=1, K=100, V=80, g="head", gv=True, initial_state=True)
 
-    def plan(K, gv):
-        return contract.check(np.zeros((1, 1, 1, K), np.float32),
-                              np.zeros((1, 1, 1, K), np.float32),
-                              np.zeros((1, 1, 1, 80), np.float32),
-                              gv=np.zeros((1, 1, 1, 80), np.float32) if gv else None)
+    def plan(K, gv, gk=False):
+        def z(d):
+            return np.zeros((1, 1, 1, d), np.float32)
+        return contract.check(z(K), z(K), z(80), gv=z(80) if gv else None,
+                              gk=z(K) if gk else None)
 
     assert fused_chunk.config(plan(100, True)) == dict(BK=32, BKI=16, BV=32, NV=3,
-                                                       num_warps=8, stages=1, BT=16)
+                                                       num_warps=8, stages=1, BT=32)
     assert fused_chunk.config(plan(100, False))["BK"] == 64
     assert fused_chunk.config(plan(64, False)) == dict(BK=64, BKI=16, BV=32, NV=3,
                                                        num_warps=8, stages=1, BT=32)
+    assert fused_chunk.config(plan(64, True, gk=True))["BT"] == 16
     assert_close(run_case(case), "float32")
 
 

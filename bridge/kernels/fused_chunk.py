@@ -385,7 +385,7 @@ def config(plan) -> dict:
     registers; `tuning.wgmma` false, as on the CPU): bf16 with per-key decays over more
     than 64 keys (the lean tiles: 0.6 KB spilled at K = 128 on 32-token chunks; V blocks
     of 32 at 8 warps instead, spill-free on 32, ran about 3x the time model's chain) and
-    fp32 with gv. num_warps, BKI, BV, stages and BT: the device table's
+    fp32 with them and gv. num_warps, BKI, BV, stages and BT: the device table's
     "fused_chunk_fwd_kernel" entry where it has one (`SITES`)."""
     check_k(plan, "fused_chunk")
     half = plan.dtype in ("bfloat16", "float16")
@@ -398,11 +398,13 @@ def config(plan) -> dict:
     BV = min(16 if split and half and plan.gv else 64 if wide else 32,
              max(16, next_pow2(plan.V)))
     # 16-token chunks where 32 spilled on sm_80 (mma.sync: operands in registers): bf16's
-    # lean tiles with per-key decays over more than 64 keys (0.6 KB) and fp32 with gv (its
-    # value levels' FMA products beside the state: 132-168 B at K = 64)
+    # lean tiles with per-key decays over more than 64 keys (0.6 KB) and fp32 with them and
+    # gv (its value levels' FMA products beside the state: 132-168 B at K = 64; gv alone
+    # spilled on 16 tokens, none on 32)
     keyed = plan.g == "key" or plan.gk
-    bt = (16 if not tuning.wgmma() and (plan.dtype == "bfloat16" and keyed and BK > 64
-                                         or plan.dtype == "float32" and plan.gv) else BT)
+    bt = (16 if not tuning.wgmma() and keyed and (plan.dtype == "bfloat16" and BK > 64
+                                                   or plan.dtype == "float32" and plan.gv)
+          else BT)
     lean = plan.dtype == "bfloat16" and not plan.gv and not split
     # wgmma reads its operands from shared memory: registers enough for a [K, 128] state
     # beside A's products, so all of V in one block (A built once a head, not once a V
