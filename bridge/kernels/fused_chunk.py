@@ -393,7 +393,8 @@ def config(plan) -> dict:
     # fp32 state products (fp32's, fp16's at tf32) beside gv's: K blocks of 32 when split
     BK = (max(16, next_pow2(plan.K)) if not split
           else SPLIT_BK if plan.dtype == "bfloat16" or not plan.gv else SPLIT_BK // 2)
-    per_key = plan.g == "key" or plan.gk or not key_gated(plan)
+    keyed = plan.g == "key" or plan.gk
+    per_key = keyed or not key_gated(plan)
     wide = half and BK <= 128 and not plan.gv and (not key_gated(plan) if split else per_key)
     BV = min(16 if split and half and plan.gv else 64 if wide else 32,
              max(16, next_pow2(plan.V)))
@@ -401,15 +402,15 @@ def config(plan) -> dict:
     # lean tiles with per-key decays over more than 64 keys (0.6 KB) and fp32 with them and
     # gv (its value levels' FMA products beside the state: 132-168 B at K = 64; gv alone
     # spilled on 16 tokens, none on 32)
-    keyed = plan.g == "key" or plan.gk
-    bt = (16 if not tuning.wgmma() and keyed and (plan.dtype == "bfloat16" and BK > 64
+    wgmma = tuning.wgmma()
+    bt = (16 if not wgmma and keyed and (plan.dtype == "bfloat16" and BK > 64
                                                    or plan.dtype == "float32" and plan.gv)
           else BT)
     lean = plan.dtype == "bfloat16" and not plan.gv and not split
     # wgmma reads its operands from shared memory: registers enough for a [K, 128] state
     # beside A's products, so all of V in one block (A built once a head, not once a V
     # block); with mma.sync operands in registers (sm_80) that spilled
-    whole = lean and wide and tuning.wgmma() and plan.K <= 128 and 64 < plan.V <= 128
+    whole = lean and wide and wgmma and plan.K <= 128 and 64 < plan.V <= 128
     knobs = tuning.pick(plan, "fused_chunk", "fused_chunk_fwd_kernel",
                         dict(num_warps=8 if whole else 4 if lean or (half and split) else 8,
                              BKI=128 if whole else 64 if lean else chunk.intra_bk(plan),
@@ -430,16 +431,16 @@ def forward_launches(plan) -> list:
     B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
     NK = -(-K // c["BK"])
     # not both splits: the sequence split's combine holds all of K of a state
-    BT = c["BT"]
-    NS = split.segments(plan, c["NV"] * N * H, BT) if NK == 1 else 1
-    levels = BT.bit_length() - 1
-    chunks = T // BT + N if plan.varlen else B * -(-T // BT)
-    # per chunk and V block: A (levels + diagonal, [BT,K]x[K,BT] each), A v (gv: per
-    # level too; per K block), q S and k^T v ([BT,K]x[K,BV])
+    bt = c["BT"]
+    NS = split.segments(plan, c["NV"] * N * H, bt) if NK == 1 else 1
+    levels = bt.bit_length() - 1
+    chunks = T // bt + N if plan.varlen else B * -(-T // bt)
+    # per chunk and V block: A (levels + diagonal, [bt,K]x[K,bt] each), A v (gv: per
+    # level too; per K block), q S and k^T v ([bt,K]x[K,BV])
     a_products = levels + 1 if key_gated(plan) else 1
     av_products = levels + 1 if plan.gv else 1
-    per_chunk = 2 * BT * H * c["NV"]
-    flops = per_chunk * chunks * (BT * K * a_products + NK * BT * c["BV"] * av_products
+    per_chunk = 2 * bt * H * c["NV"]
+    flops = per_chunk * chunks * (bt * K * a_products + NK * bt * c["BV"] * av_products
                                   + 2 * K * c["BV"])
     state = N * H * K * V * 4
     reads = sum(plan.nbytes(n) for n in plan.inputs())
@@ -450,7 +451,7 @@ def forward_launches(plan) -> list:
             inputs=dict(q="q", k="k", v="v", **gate_inputs(plan), **varlen_input(plan),
                         h0=kw.pop("h0")),
             scalars=dict(scale=plan.scale, T=T), outputs=dict(dict(la=None, lb=None), **outputs),
-            constexprs=dict(dict(flags(plan), BT=BT, BK=c["BK"], BKI=c["BKI"], BV=c["BV"],
+            constexprs=dict(dict(flags(plan), BT=bt, BK=c["BK"], BKI=c["BKI"], BV=c["BV"],
                                  LEVELS=levels, DOT_PREC=chunk.dot_precision(),
                                  STAGES=c["stages"]), **kw),
             num_warps=c["num_warps"], num_stages=c["stages"], dot_flops=int(flops),
