@@ -160,6 +160,40 @@ def test_bf16_key_decays_past_64_keys_on_16_token_chunks():
     assert_close(run_case(case, "bfloat16", backward=True), "bfloat16")
 
 
+@pytest.mark.parametrize("name, dtype, K, device, want", [
+    # without wgmma (sm_80's plan, the CPU's): gv's levels from 64-key blocks (K = 100
+    # padded to 128 and masked in fp16), 4 warps at K <= 32 without gates, 8 for the lean
+    # tiles with per-key decays at K = 64
+    ("gv-bf16-64", "bfloat16", 64, None, dict(BKI=64, num_warps=8, BT=32)),
+    ("gv-fp16-100", "float16", 100, None, dict(BKI=64, num_warps=8, BT=32)),
+    ("fp16-32", "float16", 32, None, dict(num_warps=4, BT=32)),
+    ("lean-bf16-64", "bfloat16", 64, None, dict(BKI=64, num_warps=8, BT=32)),
+    # sm_90: gv's levels beside V blocks of 64 (wgmma), fp16 with per-key decays and gv
+    # past 64 keys on 16-token chunks
+    ("gv-bf16-64-sm90", "bfloat16", 64, "9.0 Fake GPU", dict(BKI=64, BV=64, BT=32)),
+    ("gv-fp16-100-sm90", "float16", 100, "9.0 Fake GPU", dict(BKI=64, BV=64, BT=16)),
+])
+def test_spill_free_16bit_tiles(name, dtype, K, device, want):
+    """The 16-bit forward tiles `fused_chunk.config` takes where the others spilled on
+    sm_80 or sm_90 (the builds: tests/test_compiled_build.py's 16-bit spill tests),
+    through the interpreter against the oracle: every gate but the lean case's key gate
+    alone, across several chunks (the gv plans' backward is the chunk family's list, the
+    lean one's the on-chip walks)."""
+    gv = name.startswith("gv")
+    gates = (dict(g="key", gk=True, gv=True, g_gamma="head") if gv else dict(g="key")
+             if name.startswith("lean") else {})
+    case = C(name, T=70, H=2, Hk=1, K=K, V=40, initial_state=True, **gates)
+    with tuning.on_device(device):
+        plan = cases.launch_env(case, backends.prepared(case, dtype, 0), dtype)[0]
+        got = fused_chunk.config(plan)
+        assert {k: got[k] for k in want} == want, got
+        assert_close(run_case(case, dtype, backward=name.startswith("lean")), dtype)
+        if device:  # sm_90's gv tiles split into 2 segments too (local pass, combine),
+            # under weak gates, so that a segment's incoming state shows in o
+            from test_fused_chunk_split import check
+            check(case.with_(gate_scale=0.02), dtype, splits=(2,))
+
+
 def test_one_token_sequences_and_empty():
     """Sequences of 1 and 0 tokens: an empty one's final state is its initial state."""
     case = C("ones", H=2, Hk=1, K=4, V=4, seqlens=(1, 0, 1, 0), g="head", gv=True,

@@ -363,17 +363,21 @@ def config(plan) -> dict:
     (SPLIT_K_FP32 in fp32) blocks of SPLIT_BK over programs (NK = ceil(K / BK) of them), V
     blocks of BV: 64 columns (an fp32 state [128, 64]: 32 registers a thread at 8 warps, 64
     at 4) where that builds without spills on sm_80 and sm_90 (`python -m parity.compiled --family
-    fused_chunk`), else 32: with gv (its level products beside the state), with key
+    fused_chunk`), else 32: with gv (its level products beside the state; 64 on sm_90,
+    whose wgmma takes its operands from shared memory), with key
     decays the same for every key (g [B,T,H] or g_gamma alone: their broadcasts), for
     fp32 (FMA products) and for K blocks over 128. With K split, 64 columns only for
     16-bit keys without decays, 16 for 16-bit with gv, and with gv K blocks of 32 but in
     bf16. bf16 without gv or K split ("lean"): 4 warps (two programs a SM on sm_90
-    without spills; A's [32, 32] products repeat on fewer warps than at 8) and the
+    without spills; A's [32, 32] products repeat on fewer warps than at 8; but 8 with
+    sm_80's mma.sync and per-key decays at 32 < K <= 64, where 4 spilled) and the
     intra-chunk products on K blocks BKI of 64 (every level of A from each block,
-    `_intra`: fewer, longer level runs); 16 bits with K split: 4 warps (8 spilled with
-    every gate under triton 3.6) and chunk.intra_bk's blocks; else 8 warps and
-    chunk.intra_bk's blocks (fp16's tf32 products, gv's levels and fp32's FMA products
-    spilled at 4 on sm_90). On sm_90 (`tuning.wgmma`) the lean forward with
+    `_intra`: fewer, longer level runs); 16 bits with K split, or on sm_80 with per-key
+    (or no) decays at K <= 32: 4 warps (8 spilled with every gate under triton 3.6, and
+    there) and chunk.intra_bk's blocks; else 8 warps and chunk.intra_bk's blocks (fp16's tf32
+    products, gv's levels and fp32's FMA products spilled at 4 on sm_90), but BKI 64 for
+    16 bits with gv (32 spilled on sm_80; there bf16 past 64 keys keeps 32, where 64
+    spilled more). On sm_90 (`tuning.wgmma`) the lean forward with
     64 < V <= 128 and K <= 128 takes all of V in one block at 8 warps with key blocks
     BKI of 128: one program a head instead of one a V block, so A is built once
     (spilled 1.6 KB on sm_80), and its chunk loop software-pipelined (stages 2: the next
@@ -385,7 +389,8 @@ def config(plan) -> dict:
     registers; `tuning.wgmma` false, as on the CPU): bf16 with per-key decays over more
     than 64 keys (the lean tiles: 0.6 KB spilled at K = 128 on 32-token chunks; V blocks
     of 32 at 8 warps instead, spill-free on 32, ran about 3x the time model's chain) and
-    fp32 with them and gv. num_warps, BKI, BV, stages and BT: the device table's
+    fp32 with them and gv; on sm_90, fp16 with them and gv over more than 64 keys.
+    num_warps, BKI, BV, stages and BT: the device table's
     "fused_chunk_fwd_kernel" entry where it has one (`SITES`)."""
     check_k(plan, "fused_chunk")
     half = plan.dtype in ("bfloat16", "float16")
@@ -395,26 +400,40 @@ def config(plan) -> dict:
           else SPLIT_BK if plan.dtype == "bfloat16" or not plan.gv else SPLIT_BK // 2)
     keyed = plan.g == "key" or plan.gk
     per_key = keyed or not key_gated(plan)
+    wgmma = tuning.wgmma()
+    gv16 = half and plan.gv and not split
     wide = half and BK <= 128 and not plan.gv and (not key_gated(plan) if split else per_key)
-    BV = min(16 if split and half and plan.gv else 64 if wide else 32,
+    # wgmma reads its operands from shared memory: registers enough for gv's value levels
+    # beside a [K, 64] state (with mma.sync, operands in registers, 64 spilled)
+    BV = min(16 if split and half and plan.gv else 64 if wide or (gv16 and wgmma) else 32,
              max(16, next_pow2(plan.V)))
     # 16-token chunks where 32 spilled on sm_80 (mma.sync: operands in registers): bf16's
     # lean tiles with per-key decays over more than 64 keys (0.6 KB) and fp32 with them and
     # gv (its value levels' FMA products beside the state: 132-168 B at K = 64; gv alone
-    # spilled on 16 tokens, none on 32)
-    wgmma = tuning.wgmma()
-    bt = (16 if not wgmma and keyed and (plan.dtype == "bfloat16" and BK > 64
-                                                   or plan.dtype == "float32" and plan.gv)
+    # spilled on 16 tokens, none on 32); on sm_90 fp16 with them and gv over more than 64
+    # keys (its tf32 products: 48-84 B)
+    bt = (16 if keyed and (not wgmma and (plan.dtype == "bfloat16" and BK > 64
+                                          or plan.dtype == "float32" and plan.gv)
+                           or wgmma and plan.dtype == "float16" and plan.gv and BK > 64)
           else BT)
     lean = plan.dtype == "bfloat16" and not plan.gv and not split
-    # wgmma reads its operands from shared memory: registers enough for a [K, 128] state
-    # beside A's products, so all of V in one block (A built once a head, not once a V
-    # block); with mma.sync operands in registers (sm_80) that spilled
+    # all of V in one block on sm_90 (A built once a head, not once a V block); with
+    # mma.sync that spilled
     whole = lean and wide and wgmma and plan.K <= 128 and 64 < plan.V <= 128
+    # with mma.sync, per-key decays in 16 bits: 4 warps at K <= 32 (8 spilled 48-72 B:
+    # fp16 without gates, bf16 with every gate), the lean tiles 8 at K = 64 (4 spilled
+    # 24 B; 8 is one program a SM, 4 two)
+    mma_sync_keys = half and per_key and not wgmma
+    warps = (8 if whole or (lean and keyed and mma_sync_keys and BK == 64)
+             else 4 if lean or (half and split) or (mma_sync_keys and BK <= 32) else 8)
+    # gv in 16 bits: every level from 64-key blocks, as the lean tiles (32 spilled 24-60 B
+    # on sm_80), but bf16 past 64 keys with mma.sync (64 spilled more)
+    bki = (128 if whole
+           else 64 if lean or (gv16 and (wgmma or BK <= 64 or plan.dtype == "float16"))
+           else chunk.intra_bk(plan))
     knobs = tuning.pick(plan, "fused_chunk", "fused_chunk_fwd_kernel",
-                        dict(num_warps=8 if whole else 4 if lean or (half and split) else 8,
-                             BKI=128 if whole else 64 if lean else chunk.intra_bk(plan),
-                             BV=128 if whole else BV, stages=2 if whole else 1, BT=bt))
+                        dict(num_warps=warps, BKI=bki, BV=128 if whole else BV,
+                             stages=2 if whole else 1, BT=bt))
     BV = min(knobs["BV"], max(16, next_pow2(plan.V)))
     return dict(BK=BK, BKI=min(BK, knobs["BKI"]), BV=BV, NV=-(-plan.V // BV),
                 num_warps=knobs["num_warps"],

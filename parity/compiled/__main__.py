@@ -124,7 +124,7 @@ def main(argv=None):
                     default="chunk")
     ap.add_argument("--gates", choices=tuple(GATES), default="key",
                     help="key: GLA's g [B,T,H,K]; head: g [B,T,H]; gamma: g_gamma [H]; "
-                         "all: g, gk, gv and g_gamma")
+                         "gv: gv [B,T,H,V]; all: g, gk, gv and g_gamma")
     ap.add_argument("--ptx-dir", help="write <kernel>.<phase>.sm_<arch>.<dtype>.ptx here")
     ap.add_argument("--markdown", action="store_true", help="print a markdown table")
     ap.add_argument("--compare-fla", action="store_true",

@@ -80,7 +80,7 @@ def max_loop_bars(rec) -> int:
 # ---------------------------------------------------------------- the report
 
 GATES = {"key": dict(g="key"), "head": dict(g="head"), "none": {},
-         "gamma": dict(g_gamma="head"),
+         "gamma": dict(g_gamma="head"), "gv": dict(gv=True),
          "all": dict(g="key", gk=True, gv=True, g_gamma="head")}
 
 
