@@ -420,12 +420,12 @@ def config(plan) -> dict:
     # all of V in one block on sm_90 (A built once a head, not once a V block); with
     # mma.sync that spilled
     whole = lean and wide and wgmma and plan.K <= 128 and 64 < plan.V <= 128
-    # with mma.sync, per-key decays in 16 bits: 4 warps at K <= 32 (8 spilled 48-72 B:
-    # fp16 without gates, bf16 with every gate), the lean tiles 8 at K = 64 (4 spilled
-    # 24 B; 8 is one program a SM, 4 two)
-    mma_sync_keys = half and per_key and not wgmma
-    warps = (8 if whole or (lean and keyed and mma_sync_keys and BK == 64)
-             else 4 if lean or (half and split) or (mma_sync_keys and BK <= 32) else 8)
+    # with mma.sync: the lean tiles with per-key decays at K = 64 on 8 warps (4 spilled
+    # 24 B; 8 is one program a SM, 4 two), 16 bits with per-key (or no) decays at K <= 32
+    # on 4 (8 spilled 48-72 B: fp16 without gates, bf16 with every gate)
+    warps = (8 if whole or (lean and keyed and not wgmma and BK == 64)
+             else 4 if lean or (half and split) or (half and per_key and not wgmma and BK <= 32)
+             else 8)
     # gv in 16 bits: every level from 64-key blocks, as the lean tiles (32 spilled 24-60 B
     # on sm_80), but bf16 past 64 keys with mma.sync (64 spilled more)
     bki = (128 if whole
