@@ -403,8 +403,9 @@ print(json.dumps(out))
 '''
 
 # The 16-bit forward plans at K = V <= 128 that still spill (BENCHMARKS.md, "fused_chunk's
-# register spills"), by Triton: sm_80's mma.sync keeps its operands in registers; their
-# spill-free tiles cost 1.4-2x in the time model
+# 16-bit forward: the tiles where others spilled"), by Triton: sm_80's mma.sync keeps its
+# operands in registers; the spill-free tiles found cost 1.4-1.9x in the time model (none
+# was found for every gate under triton 3.6)
 _KNOWN_FWD_SPILLS = {(80, "bf16", "key", 96), (80, "fp16", "key", 96), (80, "fp16", "key", 128)}
 _KNOWN_FWD_SPILLS_3_6 = {(80, d, "all", kv) for d in ("bf16", "fp16") for kv in (96, 128)}
 

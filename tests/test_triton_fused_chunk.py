@@ -21,6 +21,8 @@ from parity.compare import assert_close, errors, rel_err, tolerance  # noqa: E40
 # the chunk family's cases: every gate kind, reverse, varlen with empty and one-token
 # sequences, GQA, odd K and V (FEATURES); sequences across several chunks (MULTI_CHUNK)
 from test_triton_chunk import FEATURES, MULTI_CHUNK  # noqa: E402
+# each split of a forward against the oracle and the unsplit launch
+from test_fused_chunk_split import check as check_split  # noqa: E402
 
 ORACLE = backends.Oracle()
 FORWARD = ("o", "final_state")
@@ -190,8 +192,7 @@ def test_spill_free_16bit_tiles(name, dtype, K, device, want):
         assert_close(run_case(case, dtype, backward=name.startswith("lean")), dtype)
         if device:  # sm_90's gv tiles split into 2 segments too (local pass, combine),
             # under weak gates, so that a segment's incoming state shows in o
-            from test_fused_chunk_split import check
-            check(case.with_(gate_scale=0.02), dtype, splits=(2,))
+            check_split(case.with_(gate_scale=0.02), dtype, splits=(2,))
 
 
 def test_one_token_sequences_and_empty():
