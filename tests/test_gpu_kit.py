@@ -467,7 +467,7 @@ def test_sweep_leaves_out_candidates_that_change_nothing():
     launch lists than the site's earlier ones (parity.gpu.sweep.by_site), the defaults
     first; fused_chunk's with_dk stays only where the dv walk has all of V (SV 128 at the
     reference V = 128), and its forward's 48 configs (warps x BKI x BV x stages x BT) all
-    stay."""
+    stay beside its defaults."""
     from parity.gpu import sweep
     from parity.gpu.plan import FULL
 
@@ -479,6 +479,7 @@ def test_sweep_leaves_out_candidates_that_change_nothing():
         assert cands[0][2] == tuning.sites(p, mode)[(fam, site)], (gates, site)
     dv = [k for _, _, k in sites["key", ("fused_chunk", "bwd_dv")][2]]
     assert {k["SV"] for k in dv if k["with_dk"]} == {128}
-    # 2 warps x 3 V blocks x 2 chunk lengths, + with_dk at SV 128, each at 2 stages
-    assert len(dv) == 32
-    assert len(sites["key", ("fused_chunk", "fused_chunk_fwd_kernel")][2]) == 48
+    # the defaults (unpipelined off sm_90), then 2 warps x 3 V blocks x 2 chunk lengths,
+    # + with_dk at SV 128, each at 2 and 3 stages
+    assert len(dv) == 1 + 32
+    assert len(sites["key", ("fused_chunk", "fused_chunk_fwd_kernel")][2]) == 1 + 48

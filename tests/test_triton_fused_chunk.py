@@ -319,21 +319,21 @@ def test_sm90_tiles_bf16(case):
         wide = (fused_chunk.config(plan), fused_chunk_bwd.config(plan))
         errs = run_case(case, "bfloat16", backward=True)
     assert (narrow[0]["BV"], narrow[0]["num_warps"], narrow[1]["SV"]) == (64, 4, 32)
-    assert wide[0] == dict(BK=128, BKI=128, BV=128, NV=1, num_warps=8, stages=2, BT=32)
+    assert wide[0] == dict(BK=128, BKI=128, BV=128, NV=1, num_warps=8, stages=3, BT=32)
     assert narrow[0]["stages"] == 1
     assert wide[1]["SV"] == 128 and wide[1]["warps"]["bwd_dv"] == 8
     assert wide[1]["chunks"] == dict(bwd_dq=16, bwd_dk=16, bwd_dv=32)
     assert narrow[1]["chunks"] == dict(bwd_dq=16, bwd_dk=16, bwd_dv=16)
     # the walks pipelined (level loops unrolled) on sm_90 in bf16 only, the dv walk's but
     # with a head gate
-    assert (wide[1]["stages"], narrow[1]["stages"]) == (dict(bwd_dq=2, bwd_dk=2, bwd_dv=2),
+    assert (wide[1]["stages"], narrow[1]["stages"]) == (dict(bwd_dq=3, bwd_dk=3, bwd_dv=3),
                                                       dict(bwd_dq=1, bwd_dk=1, bwd_dv=1))
     with tuning.on_device("9.0 Fake GPU"):
         assert fused_chunk_bwd.config(cases.launch_env(case, backends.prepared(
             case, "float16", 0), "float16")[0])["stages"] == dict(bwd_dq=1, bwd_dk=1,
                                                                    bwd_dv=1)
         head = contract.check(*bf16, g=torch.zeros(1, 1, 2, dtype=torch.bfloat16))
-        assert fused_chunk_bwd.config(head)["stages"] == dict(bwd_dq=2, bwd_dk=2, bwd_dv=1)
+        assert fused_chunk_bwd.config(head)["stages"] == dict(bwd_dq=3, bwd_dk=3, bwd_dv=1)
     assert_close(errs, "bfloat16")
 
 

@@ -69,7 +69,7 @@ BT = 32
 # (fused_chunk_bwd.SITES)
 SITES = {"split": split.SWEEP,
          "fused_chunk_fwd_kernel": dict(num_warps=(4, 8), BKI=(32, 64, 128), BV=(64, 128),
-                                        stages=(1, 2), BT=(16, 32)),
+                                        stages=(2, 3), BT=(16, 32)),
          **fused_chunk_bwd.SITES}
 
 
@@ -380,9 +380,11 @@ def config(plan) -> dict:
     spilled more). On sm_90 (`tuning.wgmma`) the lean forward with
     64 < V <= 128 and K <= 128 takes all of V in one block at 8 warps with key blocks
     BKI of 128: one program a head instead of one a V block, so A is built once
-    (spilled 1.6 KB on sm_80), and its chunk loop software-pipelined (stages 2: the next
-    chunk's tiles loaded during this one; each chunk's loads had waited on the shared
-    memory its previous products used): the key blocks and level loops unrolled, since
+    (spilled 1.6 KB on sm_80), and its chunk loop software-pipelined (stages 3: the tiles
+    of the chunk after next loaded during this one; unpipelined, each chunk's loads waited
+    on the shared memory its previous products used, and at 2 the next chunk's loads issue
+    at the end of the body, so the next run starts waiting on them): the key blocks and
+    level loops unrolled, since
     Triton's pipeliner takes no loop that holds a loop (so never with gv's value levels
     or K split; elsewhere 1, the unrolled products spilling beside narrower tiles).
     Chunks of BT = 32 tokens but 16 where 32 spilled with sm_80's mma.sync (operands in
@@ -433,7 +435,7 @@ def config(plan) -> dict:
            else chunk.intra_bk(plan))
     knobs = tuning.pick(plan, "fused_chunk", "fused_chunk_fwd_kernel",
                         dict(num_warps=warps, BKI=bki, BV=128 if whole else BV,
-                             stages=2 if whole else 1, BT=bt))
+                             stages=3 if whole else 1, BT=bt))
     BV = min(knobs["BV"], max(16, next_pow2(plan.V)))
     return dict(BK=BK, BKI=min(BK, knobs["BKI"]), BV=BV, NV=-(-plan.V // BV),
                 num_warps=knobs["num_warps"],

@@ -402,10 +402,10 @@ def supported(plan) -> bool:
 
 # The walks' launch sites (fused_chunk.SITES: the device table may set their warps and
 # chunk lengths), with the candidates the GPU kit's sweep tries
-SITES = {"bwd_dq": dict(num_warps=(4, 8), BT=(16, 32), stages=(1, 2)),
-         "bwd_dk": dict(num_warps=(4, 8), BT=(16, 32), stages=(1, 2)),
+SITES = {"bwd_dq": dict(num_warps=(4, 8), BT=(16, 32), stages=(2, 3)),
+         "bwd_dk": dict(num_warps=(4, 8), BT=(16, 32), stages=(2, 3)),
          "bwd_dv": dict(num_warps=(4, 8), SV=(32, 64, 128), BT=(16, 32),
-                        with_dk=(False, True), stages=(1, 2))}
+                        with_dk=(False, True), stages=(2, 3))}
 
 
 def config(plan) -> dict:
@@ -424,19 +424,20 @@ def config(plan) -> dict:
     the walk that makes dk' finishes dq, dk and the gate's gradient itself (no combine
     pass: dk' never goes to HBM, q, k, v, do are not read again) but where a head gate's
     gradient would be a sum over its K blocks; stages: each walk's software pipelining
-    (2: the next chunk's tiles loaded during this one, the level loop unrolled, since the
-    pipeliner takes no loop that holds a loop; else each chunk's loads wait on the shared
-    memory its previous products used), 2 for bf16 on sm_90 but the dv walk's with a
-    head gate (its decays broadcast over K beside the unrolled levels spilled 56-80 B at
-    K = V = 128; the dk walk in fp16 24 B; the dv walk on sm_80's tiles 15.9 KB: sweep
-    candidates elsewhere), else 1."""
+    (3: the tiles of the chunk after next loaded during this one, the level loop unrolled,
+    since the pipeliner takes no loop that holds a loop; at 2 the next chunk's loads issue
+    at the end of the body, so each run starts waiting on them; at 1 each chunk's loads
+    wait on the shared memory its previous products used), 3 for bf16 on sm_90 but the
+    dv walk's with a head gate (its decays broadcast over K beside the unrolled levels
+    spilled 56-80 B at K = V = 128; the dk walk in fp16 24 B; the dv walk on sm_80's tiles
+    15.9 KB: sweep candidates elsewhere), else 1."""
     BK, BV = max(16, next_pow2(plan.K)), max(16, next_pow2(plan.V))
     wide = plan.dtype in ("bfloat16", "float16")
     warps = 4 if wide else 8
     # sm_90: the dv walk on all of V (A's levels built once a head) at 8 warps, on 32-token
     # chunks (half the serial steps)
     whole = wide and tuning.wgmma()
-    stages = 2 if whole and plan.dtype == "bfloat16" else 1
+    stages = 3 if whole and plan.dtype == "bfloat16" else 1
     knobs = {site: tuning.pick(plan, "fused_chunk", site,
                                dict(num_warps=warps, BT=BT, stages=stages))
              for site in ("bwd_dq", "bwd_dk")}
