@@ -328,13 +328,32 @@ def test_sm90_tiles_bf16(case):
     # with a head gate
     assert (wide[1]["stages"], narrow[1]["stages"]) == (dict(bwd_dq=3, bwd_dk=3, bwd_dv=3),
                                                       dict(bwd_dq=1, bwd_dk=1, bwd_dv=1))
+    # fp16: the dq and dk walks pipelined but with a head gate, the dk walk's not with
+    # per-key decays past 96 keys; its dv walk never
     with tuning.on_device("9.0 Fake GPU"):
         assert fused_chunk_bwd.config(cases.launch_env(case, backends.prepared(
-            case, "float16", 0), "float16")[0])["stages"] == dict(bwd_dq=1, bwd_dk=1,
-                                                                   bwd_dv=1)
+            case, "float16", 0), "float16")[0])["stages"] == (
+                dict(bwd_dq=1, bwd_dk=1, bwd_dv=1) if case.g == "head"
+                else dict(bwd_dq=3, bwd_dk=3, bwd_dv=1))
+        fp16 = [torch.zeros(1, 1, 2, 128, dtype=torch.float16) for _ in range(3)]
+        wide_k = contract.check(*fp16, g=torch.zeros(1, 1, 2, 128, dtype=torch.float16))
+        assert fused_chunk_bwd.config(wide_k)["stages"] == dict(bwd_dq=3, bwd_dk=1, bwd_dv=1)
         head = contract.check(*bf16, g=torch.zeros(1, 1, 2, dtype=torch.bfloat16))
         assert fused_chunk_bwd.config(head)["stages"] == dict(bwd_dq=3, bwd_dk=3, bwd_dv=1)
     assert_close(errs, "bfloat16")
+
+
+@pytest.mark.parametrize("case", [SM90_CASES[0], SM90_CASES[1].with_(g="none")],
+                         ids=("key", "reverse-none"))
+def test_sm90_fp16_walks_pipelined(case):
+    """fp16 on a device of capability 9.x (faked): the dq and dk walks pipelined (their level
+    loops unrolled, `fused_chunk_bwd.config`), the dv walk not; forward and every gradient
+    within fp16's tolerance of the oracle, with K = 96 and V = 100 padded."""
+    with tuning.on_device("9.0 Fake GPU"):
+        plan = cases.launch_env(case, backends.prepared(case, "float16", 0), "float16")[0]
+        assert fused_chunk_bwd.config(plan)["stages"] == dict(bwd_dq=3, bwd_dk=3, bwd_dv=1)
+        errs = run_case(case, "float16", backward=True)
+    assert_close(errs, "float16")
 
 
 @pytest.mark.parametrize("case", SM90_CASES[1:], ids=lambda c: c.name)

@@ -429,23 +429,33 @@ def config(plan) -> dict:
     at the end of the body, so each run starts waiting on them; at 1 each chunk's loads
     wait on the shared memory its previous products used), 3 for bf16 on sm_90 but the
     dv walk's with a head gate (its decays broadcast over K beside the unrolled levels
-    spilled 56-80 B at K = V = 128; the dk walk in fp16 24 B; the dv walk on sm_80's tiles
-    15.9 KB: sweep candidates elsewhere), else 1."""
+    spilled 56-80 B at K = V = 128), and for fp16's dq and dk walks there but with a head
+    gate (no faster) and the dk walk's with per-key decays past 96 keys (8 B spilled at
+    K = 128 under triton 3.6; fp16's dv walk is faster unpipelined, its runtime level loop
+    shorter than the unrolled one; the dv walk on sm_80's tiles spilled 15.9 KB: sweep
+    candidates elsewhere), else 1."""
     BK, BV = max(16, next_pow2(plan.K)), max(16, next_pow2(plan.V))
     wide = plan.dtype in ("bfloat16", "float16")
     warps = 4 if wide else 8
     # sm_90: the dv walk on all of V (A's levels built once a head) at 8 warps, on 32-token
     # chunks (half the serial steps)
     whole = wide and tuning.wgmma()
-    stages = 3 if whole and plan.dtype == "bfloat16" else 1
+    bf16 = whole and plan.dtype == "bfloat16"
+    # fp16: the dq and dk walks pipelined but with a head gate (no faster there), the dk
+    # walk's not with per-key decays past 96 keys (8 B spilled at K = 128 under triton 3.6)
+    fp16 = whole and plan.dtype == "float16" and plan.g != "head"
+    per_key = plan.g == "key" or plan.gk
+    stages = dict(bwd_dq=3 if bf16 or fp16 else 1,
+                  bwd_dk=3 if bf16 or (fp16 and not (per_key and plan.K > 96)) else 1,
+                  bwd_dv=3 if bf16 and plan.g != "head" else 1)
     knobs = {site: tuning.pick(plan, "fused_chunk", site,
-                               dict(num_warps=warps, BT=BT, stages=stages))
+                               dict(num_warps=warps, BT=BT, stages=stages[site]))
              for site in ("bwd_dq", "bwd_dk")}
     knobs["bwd_dv"] = tuning.pick(plan, "fused_chunk", "bwd_dv",
                                   dict(num_warps=8 if whole else warps,
                                        SV=BV if whole else 32 if wide else 16,
                                        BT=32 if whole else BT, with_dk=False,
-                                       stages=1 if plan.g == "head" else stages))
+                                       stages=stages["bwd_dv"]))
     SV = min(knobs["bwd_dv"]["SV"], BV)
     SK = min(64 if wide else 16, BK)
     with_dk = bool(knobs["bwd_dv"]["with_dk"]) and SV >= BV
