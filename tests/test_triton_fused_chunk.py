@@ -324,8 +324,8 @@ def test_sm90_tiles_bf16(case):
     assert wide[1]["SV"] == 128 and wide[1]["warps"]["bwd_dv"] == 8
     assert wide[1]["chunks"] == dict(bwd_dq=16, bwd_dk=16, bwd_dv=32)
     assert narrow[1]["chunks"] == dict(bwd_dq=16, bwd_dk=16, bwd_dv=16)
-    # the walks pipelined (level loops unrolled) on sm_90 in bf16 only, the dv walk's but
-    # with a head gate
+    # the walks pipelined (level loops unrolled) on sm_90 in bf16, the dv walk's but with a
+    # head gate (fp16's below)
     assert (wide[1]["stages"], narrow[1]["stages"]) == (dict(bwd_dq=3, bwd_dk=3, bwd_dv=3),
                                                       dict(bwd_dq=1, bwd_dk=1, bwd_dv=1))
     # fp16: the dq and dk walks pipelined but with a head gate, the dk walk's not with

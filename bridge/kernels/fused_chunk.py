@@ -384,9 +384,9 @@ def config(plan) -> dict:
     of the chunk after next loaded during this one; unpipelined, each chunk's loads waited
     on the shared memory its previous products used, and at 2 the next chunk's loads issue
     at the end of the body, so the next run starts waiting on them): the key blocks and
-    level loops unrolled, since
-    Triton's pipeliner takes no loop that holds a loop (so never with gv's value levels
-    or K split; elsewhere 1, the unrolled products spilling beside narrower tiles).
+    level loops unrolled, since Triton's pipeliner takes no loop that holds a loop (so
+    never with gv's value levels or K split; elsewhere 1, the unrolled products spilling
+    beside narrower tiles).
     Chunks of BT = 32 tokens but 16 where 32 spilled with sm_80's mma.sync (operands in
     registers; `tuning.wgmma` false, as on the CPU): bf16 with per-key decays over more
     than 64 keys (the lean tiles: 0.6 KB spilled at K = 128 on 32-token chunks; V blocks

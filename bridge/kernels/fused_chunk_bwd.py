@@ -444,9 +444,9 @@ def config(plan) -> dict:
     # fp16: the dq and dk walks pipelined but with a head gate (no faster there), the dk
     # walk's not with per-key decays past 96 keys (8 B spilled at K = 128 under triton 3.6)
     fp16 = whole and plan.dtype == "float16" and plan.g != "head"
-    per_key = plan.g == "key" or plan.gk
+    keyed = plan.g == "key" or plan.gk  # per-key decays (fused_chunk.config's name)
     stages = dict(bwd_dq=3 if bf16 or fp16 else 1,
-                  bwd_dk=3 if bf16 or (fp16 and not (per_key and plan.K > 96)) else 1,
+                  bwd_dk=3 if bf16 or (fp16 and not (keyed and plan.K > 96)) else 1,
                   bwd_dv=3 if bf16 and plan.g != "head" else 1)
     knobs = {site: tuning.pick(plan, "fused_chunk", site,
                                dict(num_warps=warps, BT=BT, stages=stages[site]))
