@@ -331,6 +331,11 @@ def test_trip_counts_follow_dtypes(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- fused_chunk's 16-bit plans
 
+# sm_90's pipelined bf16 forward with per-key decays (all of V at 8 warps, 255 registers):
+# ptxas keeps one value that lives across the chunk loop (from the thread index, for the final
+# state's store) in local memory, stored before the loop and loaded after it, never inside it
+_POST_LOOP_FWD_SPILLS = {(90, "bf16", "key", 96): 12, (90, "bf16", "key", 128): 12}
+
 _FUSED_CHUNK_16 = '''
 import json
 from parity.compiled import build, report
@@ -361,14 +366,18 @@ print(json.dumps(out))
 def test_fused_chunk_16bit_plans_build_without_spills_on_sm90(tmp_path):
     """fused_chunk's launches (forward and its backward, on chip or the chunk family's
     list) at K = V = 64 and 128, bf16 with every gate kind and fp16 short of every gate,
-    build for sm_90 with sm_90's tiles without spills: the bf16 forward without gv
-    ("lean": fused_chunk.config) at 4 warps (two programs a SM: registers <= 255 at 128
-    threads) but with per-key decays at V = 128, there all of V at 8 warps; the dq and
-    dk walks at 4 warps on 16-token chunks, the dv walk on all of V at 8 on 32-token
-    chunks."""
+    build for sm_90 with sm_90's tiles without spills (one exception below): the bf16
+    forward without gv ("lean": fused_chunk.config) at 4 warps (two programs a SM:
+    registers <= 255 at 128 threads) but with per-key decays at V = 128, there all of V
+    at 8 warps; the dq and dk walks at 4 warps on 16-token chunks, the dv walk on all of
+    V at 8 on 32-token chunks. The bf16 forward with per-key decays at K = V = 128 spills
+    only the bytes `_POST_LOOP_FWD_SPILLS` allows (outside its loop: the 16-bit forward
+    test checks)."""
     got = _compiled_json(tmp_path, _FUSED_CHUNK_16, timeout=1800)
     assert len({(d, g, kv) for d, g, kv, *_ in got}) == 18
-    spilled = [row for row in got if row[-1] != 0]
+    spilled = [row for row in got if row[-1] != 0 and not (
+        row[3] == "fused_chunk_fwd_kernel"
+        and row[-1] <= _POST_LOOP_FWD_SPILLS.get((90, *row[:3]), 0))]
     assert not spilled, spilled
     lean = {(g, kv): (w, bv) for d, g, kv, name, w, bv, bt, *_ in got
             if d == "bf16" and g != "all" and name == "fused_chunk_fwd_kernel"}
@@ -385,7 +394,7 @@ def test_fused_chunk_16bit_plans_build_without_spills_on_sm90(tmp_path):
 
 _FUSED_CHUNK_16_FWD = '''
 import json
-from parity.compiled import build, report
+from parity.compiled import build, report, sass
 from bridge.kernels import fused_chunk
 
 out = []
@@ -397,8 +406,15 @@ for arch in (80, 90):
                     plan = report.report_plan((1, 64, 2, KV, KV), dtype, gates)
                     launches = fused_chunk.forward_launches(plan)
                     dtypes = build.tensor_dtypes(plan, [launches])
-                    r = build.compile_launch(launches[0], plan, arch, dtypes=dtypes)
-                    out.append([arch, dtype, gates, KV, r["spill_bytes"] or 0])
+                    k = build.compile_source(launches[0], dtypes, arch, True)
+                    spilled = build.ptxas_usage(k.asm["ptx"], arch)["spill_bytes"] or 0
+                    in_loop = None  # local-memory instructions inside a loop of the SASS
+                    if spilled:
+                        ins, labels = sass.parse(sass.disassemble(k.asm["cubin"]))
+                        loops = sass.find_loops(ins, labels)
+                        in_loop = sum(i.op.startswith(("LDL", "STL"))
+                                      and sass.innermost(loops, i.addr) >= 0 for i in ins)
+                    out.append([arch, dtype, gates, KV, spilled, in_loop])
 print(json.dumps(out))
 '''
 
@@ -415,12 +431,17 @@ def test_fused_chunk_16bit_forward_spills_only_where_known(tmp_path):
     """fused_chunk's 16-bit forward (its own config, `fused_chunk.config`) at K = V = 32,
     64, 96, 128 with every gate kind, gv alone and every gate at once, built for sm_80 and
     sm_90 with each arch's tiles: no spills but in the plans known to (`_KNOWN_FWD_SPILLS`;
-    more under triton 3.6)."""
+    more under triton 3.6), and on sm_90 at most `_POST_LOOP_FWD_SPILLS`' bytes, with no
+    local-memory instruction inside a loop."""
     import triton
 
     got = _compiled_json(tmp_path, _FUSED_CHUNK_16_FWD, timeout=1800)
     assert len(got) == 2 * 2 * 6 * 4
     known = _KNOWN_FWD_SPILLS | (_KNOWN_FWD_SPILLS_3_6 if triton.__version__.startswith("3.6")
                                  else set())
-    spilled = {tuple(row[:4]) for row in got if row[4]}
-    assert spilled <= known, sorted(spilled - known)
+    spilled = {tuple(row[:4]): row[4:] for row in got if row[4]}
+    unknown = {p for p in spilled if p not in known and p not in _POST_LOOP_FWD_SPILLS}
+    assert not unknown, sorted(unknown)
+    post_loop = {p: v for p, v in spilled.items() if p in _POST_LOOP_FWD_SPILLS}
+    assert all(b <= _POST_LOOP_FWD_SPILLS[p] and in_loop == 0
+               for p, (b, in_loop) in post_loop.items()), post_loop

@@ -297,7 +297,10 @@ SM90_CASES = [C("sm90", T=70, H=2, Hk=1, K=96, V=100, g="key", initial_state=Tru
               C("sm90-reverse", T=70, H=2, Hk=1, K=96, V=100, g="key", initial_state=True,
                 reverse=True),
               C("sm90-varlen-head", H=2, Hk=2, K=64, V=100, seqlens=(40, 0, 1, 29),
-                g="head", initial_state=True, packed=True)]
+                g="head", initial_state=True, packed=True),
+              C("sm90-varlen-key", H=2, Hk=1, K=96, V=100, seqlens=(40, 0, 1, 29),
+                g="key", initial_state=True, packed=True),
+              C("sm90-none", T=70, H=2, Hk=1, K=96, V=100, g="none", initial_state=True)]
 
 
 @pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: c.name)

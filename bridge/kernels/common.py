@@ -412,6 +412,16 @@ def seg_sums(c, a, DT: tl.constexpr):
 
 
 @triton.jit
+def start_sums(o_t, a, DT: tl.constexpr):
+    """(the sums of a chunk's log decays a [BT, BD] from its start to each row, inclusive,
+    [BT, BD]; and the chunk's whole sum, the last row's, [BD]). The whole sum is read off
+    the same product: a sum over a's rows moves a across warps through shared memory."""
+    BT: tl.constexpr = o_t.shape[0]
+    s = seg_sums(seg_matrix(o_t, 2 * BT, DT), a, DT)
+    return s, tl.sum(tl.where(o_t[:, None] == BT - 1, s, 0.), 0)
+
+
+@triton.jit
 def level_mask(o_t, h):
     """[BT, BT]: the pairs t > s whose highest differing position bit is h: row t
     in an odd segment of h, column s in the even one just before it."""

@@ -59,7 +59,7 @@ from . import chunk, fused_chunk_bwd
 from . import fused_chunk_split as split
 from .common import (block_pos, check_k, decay_k_in, exact_dtype, exp_, flags, gate_inputs,
                      head_gamma, key_gated, level_mask, load_tile, next_pow2,
-                     op_dtype, seg_matrix, seg_sums, seq_bounds, op_dot, tile_ptrs,
+                     op_dtype, seg_matrix, seg_sums, seq_bounds, start_sums, op_dot, tile_ptrs,
                      varlen_input, wide_dtype)
 
 BT = 32
@@ -101,16 +101,32 @@ def _key_gate(c, DT: tl.constexpr, a, PER_KEY: tl.constexpr):
 
 
 @triton.jit
+def _start_gate(o_t, DT: tl.constexpr, a, PER_KEY: tl.constexpr):
+    """(exp of the sums of a (_key_decays) from the chunk's start to each row, inclusive:
+    [BT, BK], or [BT, 1] when not PER_KEY; and the chunk's sum, [BK, 1] or a scalar), as
+    _key_gate's of level 2 BT but for the chunk's sum (common.start_sums)."""
+    s, total = start_sums(o_t, a, DT)
+    if PER_KEY:
+        return exp_(s), total[:, None]
+    else:
+        return tl.max(exp_(s), 1)[:, None], tl.max(total, 0)
+
+
+@triton.jit
 def _a_level(acc, o_t, h, a, b_q, b_k, scale, DT: tl.constexpr, PER_KEY: tl.constexpr,
-             op: tl.constexpr, DOT_PREC: tl.constexpr):
+             op: tl.constexpr, DOT_PREC: tl.constexpr, REGION: tl.constexpr):
     """acc [BT, BT] plus A's pairs of level h from one block of keys: q, k [BT, BKI] and
-    their log decays a (_key_decays)."""
+    their log decays a (_key_decays). REGION: the product in a branch of its own."""
     f, _ = _key_gate(seg_matrix(o_t, h, DT), DT, a, PER_KEY)
     p = (tl.where(((o_t & h) != 0)[:, None], b_q, b_k).to(tl.float32) * f).to(op)
-    # A region of its own (scale 0 makes A 0 either way): Triton gives two dots of one
-    # region that feed each other (seg_sums' and this) a row-only warp layout, which at
-    # BT = 32 rows repeats each product on num_warps / 2 warps
-    if scale != 0:
+    if REGION:
+        # (scale 0 makes A 0 either way) Triton gives two dots of one region that feed
+        # each other (seg_sums' and this) a row-only warp layout, which at BT = 32 rows
+        # repeats each product on num_warps / 2 warps
+        if scale != 0:
+            acc += tl.where(level_mask(o_t, h),
+                            tl.dot(p, tl.trans(p), input_precision=DOT_PREC), 0.)
+    else:
         acc += tl.where(level_mask(o_t, h), tl.dot(p, tl.trans(p), input_precision=DOT_PREC),
                         0.)
     return acc
@@ -122,7 +138,11 @@ def _intra_block(acc, diag, q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, sc
                  G_MODE: tl.constexpr, USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr,
                  LEVELS: tl.constexpr, DOT_PREC: tl.constexpr, UNROLL: tl.constexpr):
     """(acc, diag) plus the keys kb .. kb + BKI - 1 (`_intra`); UNROLL: the level loop
-    unrolled, else a runtime loop (one level's products live at a time)."""
+    unrolled into one straight body (the diagonal a product into acc, the levels without
+    branches of their own: ptxas overlaps one level's products with the next one's
+    gates, and Triton converts A to the next product's operand layout once, where in a
+    branch a level it converts each level's product), else a runtime loop (one level's
+    products live at a time, each in a branch of its own, the diagonal summed in diag)."""
     BT: tl.constexpr = pos.shape[0]
     o_t = tl.arange(0, BT)
     op: tl.constexpr = op_dtype(q.dtype.element_ty)
@@ -133,7 +153,12 @@ def _intra_block(acc, diag, q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, sc
     b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
     b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K).to(b_q.dtype)
     if KGATE:
-        diag += tl.sum(b_q.to(op).to(tl.float32) * b_k.to(op).to(tl.float32), 1)
+        if UNROLL:
+            acc += tl.where(o_t[:, None] == o_t[None, :],
+                            tl.dot(b_q.to(op), tl.trans(b_k.to(op)), input_precision=DOT_PREC),
+                            0.)
+        else:
+            diag += tl.sum(b_q.to(op).to(tl.float32) * b_k.to(op).to(tl.float32), 1)
         DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE,
                                      USE_GK, GAMMA_MODE)
         a = _key_decays(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K,
@@ -141,11 +166,11 @@ def _intra_block(acc, diag, q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, sc
         if UNROLL:
             for lvl in tl.static_range(0, LEVELS):
                 acc = _a_level(acc, o_t, (BT // 2) >> lvl, a, b_q, b_k, scale, DT, PER_KEY,
-                               op, DOT_PREC)
+                               op, DOT_PREC, False)
         else:
             for lvl in range(0, LEVELS):
                 acc = _a_level(acc, o_t, (BT // 2) >> lvl, a, b_q, b_k, scale, DT, PER_KEY,
-                               op, DOT_PREC)
+                               op, DOT_PREC, True)
     else:
         acc = tl.dot(b_q.to(op), tl.trans(b_k.to(op)), acc, input_precision=DOT_PREC)
     return acc, diag
@@ -178,7 +203,8 @@ def _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, k0, nki, H: 
                                      i_hk, scale, k0 + i_k * BKI, H, HK, K, BKI, G_MODE,
                                      USE_GK, GAMMA_MODE, LEVELS, DOT_PREC, False)
     if KGATE:
-        acc = tl.where(o_t[:, None] == o_t[None, :], diag[:, None], acc)
+        if not UNROLL:
+            acc = tl.where(o_t[:, None] == o_t[None, :], diag[:, None], acc)
     else:
         acc = tl.where(o_t[:, None] >= o_t[None, :], acc, 0.)
     return acc * scale
@@ -252,6 +278,12 @@ def fused_chunk_fwd_kernel(
     k0 = 0 if NK == 1 else i_k * BK
     nki = tl.cdiv(K, BKI) if NK == 1 else tl.cdiv(tl.minimum(K - k0, BK), BKI)
 
+    # Pipelined with key decays, o is stored at the end of the body, after the state's
+    # loads of k and its decays, so Triton merges those with the intra-chunk part's (a
+    # store between two loads keeps both, and the pipeliner copies each into shared
+    # memory). Without key decays only k's copy is saved, and o stored where it is
+    # computed keeps the loop's chain shorter
+    O_LAST: tl.constexpr = STAGES > 1 and KGATE and not LOCAL
     b_s = tl.zeros([BK, BV], dtype=tl.float32)
     s_a = tl.zeros([BK, 1], dtype=tl.float32)
     s_b = tl.zeros([1, BV], dtype=tl.float32)
@@ -273,9 +305,13 @@ def fused_chunk_fwd_kernel(
                          K, BKI, G_MODE, USE_GK, GAMMA_MODE, LEVELS, DOT_PREC, STAGES > 1)
             b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K).to(tl.float32) * scale
             if KGATE:  # gated from the chunk's start
-                f, _ = _key_gate(seg_matrix(o_t, 2 * BT, DT), DT,
-                                 _key_decays(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k,
-                                             mask_k, H, K, G_MODE, USE_GK, GAMMA_MODE), PER_KEY)
+                a_q = _key_decays(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K,
+                                  G_MODE, USE_GK, GAMMA_MODE)
+                if STAGES > 1:  # the chunk's sums too (else summed on the k side, not
+                    # held in registers in between)
+                    f, l_k = _start_gate(o_t, DT, a_q, PER_KEY)
+                else:
+                    f, _ = _key_gate(seg_matrix(o_t, 2 * BT, DT), DT, a_q, PER_KEY)
                 b_q *= f
             acc = op_dot(b_q.to(op), b_s, None, op, DOT_PREC)
             b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V)
@@ -296,19 +332,26 @@ def fused_chunk_fwd_kernel(
             else:
                 acc = op_dot(b_a.to(wop), b_v, acc, op, DOT_PREC)
                 b_vg = b_v
-            tl.store(tile_ptrs(o, row0, pos, i_h * NK + i_k, o_v, H * NK, V),
-                     acc.to(o.dtype.element_ty), mask=mask_t[:, None] & mask_v[None, :])
+            b_o = acc.to(o.dtype.element_ty)
+            if not O_LAST:
+                tl.store(tile_ptrs(o, row0, pos, i_h * NK + i_k, o_v, H * NK, V), b_o,
+                         mask=mask_t[:, None] & mask_v[None, :])
         # k loaded (and its decays again, L1 hits) only now: q's tiles are dead by here
         b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K).to(tl.float32)
         if KGATE:  # gated to the chunk's end
-            f, l_k = _key_gate(seg_matrix(o_t, BT, DT), DT,
-                               _key_decays(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k,
-                                           mask_k, H, K, G_MODE, USE_GK, GAMMA_MODE), PER_KEY)
+            f, l_kk = _key_gate(seg_matrix(o_t, BT, DT), DT,
+                                _key_decays(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k,
+                                            mask_k, H, K, G_MODE, USE_GK, GAMMA_MODE), PER_KEY)
+            if LOCAL or STAGES == 1:  # else _start_gate's sums
+                l_k = l_kk
             b_k *= f
             b_s *= exp_(l_k)
             if LOCAL:
                 s_a += l_k
         b_s = tl.dot(tl.trans(b_k.to(op)), b_vg.to(op), b_s, input_precision=DOT_PREC)
+        if O_LAST:
+            tl.store(tile_ptrs(o, row0, pos, i_h * NK + i_k, o_v, H * NK, V), b_o,
+                     mask=mask_t[:, None] & mask_v[None, :])
     if LOCAL:
         tl.store(ht + seg + p_kv, b_s, mask=mask_h)
         if KGATE:  # every V block has the same sums: the first writes them

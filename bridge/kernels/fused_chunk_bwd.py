@@ -51,7 +51,7 @@ from ..launch import Launch, Out
 from . import chunk
 from .common import (block_pos, decay_k_in, exact_dtype, exp_, flags, head_gamma, level_mask,
                      load_tile, next_pow2, op_dtype, present, seg_matrix, seg_sums, seq_bounds,
-                     op_dot, split_dot, tile_ptrs, varlen_input, wide_dtype)
+                     op_dot, split_dot, start_sums, tile_ptrs, varlen_input, wide_dtype)
 
 
 @triton.jit
@@ -119,6 +119,9 @@ def fused_chunk_bwd_dq_kernel(
     i_nh, i_h, i_hk, bos, eos, gamma, base, o_k, o_v, mask_k, mask_v, p_kv = _program(
         cu_seqlens, g_gamma, T, H, HK, K, V, BK, BV, NK, 1, IS_VARLEN, GAMMA_MODE)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
+    # pipelined with per-key decays, the chunk's sums are read off the product that gates
+    # dq' (common.start_sums; else summed at the state's update, not held in between)
+    START: tl.constexpr = STAGES > 1 and ((G_MODE == 2) or USE_GK)
     FINAL_A: tl.constexpr = USE_DHT and ((G_MODE > 0) or USE_GK)
     DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE, USE_GK,
                                    GAMMA_MODE)
@@ -134,7 +137,10 @@ def fused_chunk_bwd_dq_kernel(
         b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V).to(op)
         b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K)
         acc = op_dot(b_do, b_s, None, op, DOT_PREC, TRANS=True)
-        if KGATE:
+        if START:
+            s_q, s_c = start_sums(o_t, a, DT)
+            acc *= exp_(s_q)
+        elif KGATE:
             acc *= _factor(a, o_t, 2 * BT, DT)
         d_a = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
         if KGATE and STAGES > 1:  # the pipeliner takes no loop that holds a loop
@@ -154,7 +160,9 @@ def fused_chunk_bwd_dq_kernel(
             b_k = tl.where((c * BT + o_t == n - 1)[:, None], 0., b_k)
         if KGATE:  # gated to the chunk's end
             b_k = (b_k.to(tl.float32) * _factor(a, o_t, BT, DT)).to(op)
-            b_s *= exp_(tl.sum(a.to(tl.float32), 0))[:, None]
+            if not START:
+                s_c = tl.sum(a.to(tl.float32), 0)
+            b_s *= exp_(s_c)[:, None]
         b_s = tl.dot(tl.trans(b_k.to(op)), b_v, b_s, input_precision=DOT_PREC)
     if FINAL_A:
         b_dht = tl.load(dht + base + p_kv, mask=mask_k[:, None] & mask_v[None, :], other=0.)
@@ -183,9 +191,11 @@ def _level_mask_t(o_t, h):
 @triton.jit
 def _reverse_level(acc_k, acc_v, a, o_t, hl, d_at, b_q, b_k, b_do, scale, op: tl.constexpr,
                    DT: tl.constexpr, DOT_PREC: tl.constexpr, DK: tl.constexpr,
-                   DV: tl.constexpr):
+                   DV: tl.constexpr, SUM_A: tl.constexpr):
     """The reverse walk's pairs s < t of level hl: (DK) dk' acc_k [BT, BK] from dA^T d_at
-    and q (`_pairs_level`), (DV) dv acc_v [BT, BV] plus (A^T of the level) do."""
+    and q (`_pairs_level`), (DV) dv acc_v [BT, BV] plus (A^T of the level) do, or with
+    SUM_A the level's pairs of scale A^T written into acc_v [BT, BT] (the levels' pairs
+    are disjoint: one product with do after the last level)."""
     if DK:
         acc_k = _pairs_level(acc_k, a, o_t, hl, d_at, b_q, scale, False, op, DT, DOT_PREC)
     if DV:
@@ -195,8 +205,11 @@ def _reverse_level(acc_k, acc_v, a, o_t, hl, d_at, b_q, b_k, b_do, scale, op: tl
         # segments, k on s's
         p = (tl.where(((o_t & hl) != 0)[:, None], b_q, b_k).to(tl.float32) * f).to(op)
         a_t = tl.dot(p, tl.trans(p), input_precision=DOT_PREC)
-        acc_v += op_dot(tl.where(m_t, a_t * scale, 0.).to(wide_dtype(op)), b_do, None, op,
-                        DOT_PREC)
+        if SUM_A:
+            acc_v = tl.where(m_t, a_t * scale, acc_v)
+        else:
+            acc_v += op_dot(tl.where(m_t, a_t * scale, 0.).to(wide_dtype(op)), b_do, None, op,
+                            DOT_PREC)
     return acc_k, acc_v
 
 
@@ -258,13 +271,18 @@ def fused_chunk_bwd_dkv_kernel(
             diag = tl.sum(b_q.to(tl.float32) * b_k.to(tl.float32), 1) * scale
             acc_v += diag[:, None] * b_do.to(tl.float32)
         if KGATE and STAGES > 1:  # the pipeliner takes no loop that holds a loop
+            # (unrolled, A^T of every level gathered first: one product with do, not one a
+            # level)
+            at_s = tl.zeros([BT, BT], dtype=tl.float32) if DV else 0.
             for lvl in tl.static_range(0, LEVELS):
-                acc_k, acc_v = _reverse_level(acc_k, acc_v, a, o_t, (BT // 2) >> lvl, d_at, b_q,
-                                              b_k, b_do, scale, op, DT, DOT_PREC, DK, DV)
+                acc_k, at_s = _reverse_level(acc_k, at_s, a, o_t, (BT // 2) >> lvl, d_at, b_q,
+                                             b_k, b_do, scale, op, DT, DOT_PREC, DK, DV, True)
+            if DV:
+                acc_v += op_dot(at_s.to(wide_dtype(op)), b_do, None, op, DOT_PREC)
         elif KGATE:
             for lvl in range(0, LEVELS):  # one level's tiles live at a time
                 acc_k, acc_v = _reverse_level(acc_k, acc_v, a, o_t, (BT // 2) >> lvl, d_at, b_q,
-                                              b_k, b_do, scale, op, DT, DOT_PREC, DK, DV)
+                                              b_k, b_do, scale, op, DT, DOT_PREC, DK, DV, False)
         else:
             later = o_t[:, None] < o_t[None, :]
             if DK:
@@ -289,8 +307,13 @@ def fused_chunk_bwd_dkv_kernel(
                      mask=mask_t[:, None] & mask_v[None, :])
         b_qs = b_q.to(tl.float32) * scale
         if KGATE:  # gated from the chunk's start
-            b_qs *= _factor(a, o_t, 2 * BT, DT)
-            b_dh *= exp_(tl.sum(a.to(tl.float32), 0))[:, None]
+            if STAGES > 1 and not DV:  # the chunk's sums too (with DV it spilled)
+                s_q, s_c = start_sums(o_t, a, DT)
+                b_qs *= exp_(s_q)
+            else:
+                b_qs *= _factor(a, o_t, 2 * BT, DT)
+                s_c = tl.sum(a.to(tl.float32), 0)
+            b_dh *= exp_(s_c)[:, None]
         b_dh = tl.dot(tl.trans(b_qs.to(op)), b_do, b_dh, input_precision=DOT_PREC)
     if DV and USE_H0:
         tl.store(dh0 + base + p_kv, b_dh, mask=mask_k[:, None] & mask_v[None, :])
