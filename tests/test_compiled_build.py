@@ -368,8 +368,9 @@ def test_fused_chunk_16bit_plans_build_without_spills_on_sm90(tmp_path):
     list) at K = V = 64 and 128, bf16 with every gate kind and fp16 short of every gate,
     build for sm_90 with sm_90's tiles without spills (one exception below): the bf16
     forward without gv ("lean": fused_chunk.config) at 4 warps (two programs a SM:
-    registers <= 255 at 128 threads) but with per-key decays at V = 128, there all of V
-    at 8 warps; the dq and dk walks at 4 warps on 16-token chunks, the dv walk on all of
+    registers <= 255 at 128 threads) but with per-key or no decays, there all of V at
+    8 warps, and so fp16's forward (with per-key decays on 16-token chunks at V = 128);
+    the dq and dk walks at 4 warps on 16-token chunks, the dv walk on all of
     V at 8 on 32-token chunks. The bf16 forward with per-key decays at K = V = 128 spills
     only the bytes `_POST_LOOP_FWD_SPILLS` allows (outside its loop: the 16-bit forward
     test checks)."""
@@ -382,8 +383,11 @@ def test_fused_chunk_16bit_plans_build_without_spills_on_sm90(tmp_path):
     lean = {(g, kv): (w, bv) for d, g, kv, name, w, bv, bt, *_ in got
             if d == "bf16" and g != "all" and name == "fused_chunk_fwd_kernel"}
     assert len(lean) == 8
-    assert lean == {(g, kv): (8, 128) if kv == 128 and g in ("key", "none") else
-                    (4, 64 if kv == 64 and g in ("key", "none") else 32) for g, kv in lean}
+    assert lean == {(g, kv): (8, kv) if g in ("key", "none") else (4, 32) for g, kv in lean}
+    whole16 = {(g, kv): (w, bv, bt) for d, g, kv, name, w, bv, bt, *_ in got
+               if d == "fp16" and g in ("key", "none") and name == "fused_chunk_fwd_kernel"}
+    assert whole16 == {("key", 64): (8, 64, 32), ("none", 64): (8, 64, 32),
+                       ("key", 128): (8, 128, 16), ("none", 128): (8, 128, 32)}
     walks = {(name, w, bv if name.endswith(".dv") else None, bt)
              for d, g, kv, name, w, bv, bt, *_ in got
              if name.startswith("fused_chunk_bwd_") and "combine" not in name}

@@ -174,22 +174,29 @@ def test_bf16_key_decays_past_64_keys_on_16_token_chunks():
     # past 64 keys on 16-token chunks
     ("gv-bf16-64-sm90", "bfloat16", 64, "9.0 Fake GPU", dict(BKI=64, BV=64, BT=32)),
     ("gv-fp16-100-sm90", "float16", 100, "9.0 Fake GPU", dict(BKI=64, BV=64, BT=16)),
+    # sm_90: all of V (40, padded to 64) in one block, pipelined, at K = 64 in both 16-bit
+    # dtypes, where 4 warps and 64-wide blocks were unpipelined
+    ("whole-bf16-64-sm90", "bfloat16", 64, "9.0 Fake GPU",
+     dict(BKI=64, BV=64, num_warps=8, stages=3, BT=32)),
+    ("whole-fp16-64-sm90", "float16", 64, "9.0 Fake GPU",
+     dict(BKI=64, BV=64, num_warps=8, stages=3, BT=32)),
 ])
 def test_spill_free_16bit_tiles(name, dtype, K, device, want):
     """The 16-bit forward tiles `fused_chunk.config` takes where the others spilled on
     sm_80 or sm_90 (the builds: tests/test_compiled_build.py's 16-bit spill tests),
-    through the interpreter against the oracle: every gate but the lean case's key gate
-    alone, across several chunks (the gv plans' backward is the chunk family's list, the
-    lean one's the on-chip walks)."""
+    through the interpreter against the oracle: every gate but the lean and whole cases'
+    key gate alone, across several chunks (the gv plans' backward is the chunk family's
+    list, the others' the on-chip walks)."""
     gv = name.startswith("gv")
+    keyed = name.startswith(("lean", "whole"))
     gates = (dict(g="key", gk=True, gv=True, g_gamma="head") if gv else dict(g="key")
-             if name.startswith("lean") else {})
+             if keyed else {})
     case = C(name, T=70, H=2, Hk=1, K=K, V=40, initial_state=True, **gates)
     with tuning.on_device(device):
         plan = cases.launch_env(case, backends.prepared(case, dtype, 0), dtype)[0]
         got = fused_chunk.config(plan)
         assert {k: got[k] for k in want} == want, got
-        assert_close(run_case(case, dtype, backward=name.startswith("lean")), dtype)
+        assert_close(run_case(case, dtype, backward=keyed), dtype)
         if device:  # sm_90's gv tiles split into 2 segments too (local pass, combine),
             # under weak gates, so that a segment's incoming state shows in o
             check_split(case.with_(gate_scale=0.02), dtype, splits=(2,))
@@ -348,12 +355,16 @@ def test_sm90_tiles_bf16(case):
 
 @pytest.mark.parametrize("case", [SM90_CASES[0], SM90_CASES[1].with_(g="none")],
                          ids=("key", "reverse-none"))
-def test_sm90_fp16_walks_pipelined(case):
-    """fp16 on a device of capability 9.x (faked): the dq and dk walks pipelined (their level
-    loops unrolled, `fused_chunk_bwd.config`), the dv walk not; forward and every gradient
-    within fp16's tolerance of the oracle, with K = 96 and V = 100 padded."""
+def test_sm90_fp16_pipelined(case):
+    """fp16 on a device of capability 9.x (faked): the forward on all of V with its chunk
+    loop pipelined (key blocks and levels unrolled; 16-token chunks with per-key decays,
+    `fused_chunk.config`), the dq and dk walks pipelined (their level loops unrolled,
+    `fused_chunk_bwd.config`), the dv walk not; forward and every gradient within fp16's
+    tolerance of the oracle, with K = 96 and V = 100 padded, across several chunks."""
     with tuning.on_device("9.0 Fake GPU"):
         plan = cases.launch_env(case, backends.prepared(case, "float16", 0), "float16")[0]
+        assert fused_chunk.config(plan) == dict(BK=128, BKI=128, BV=128, NV=1, num_warps=8,
+                                                stages=3, BT=16 if case.g == "key" else 32)
         assert fused_chunk_bwd.config(plan)["stages"] == dict(bwd_dq=3, bwd_dk=3, bwd_dv=1)
         errs = run_case(case, "float16", backward=True)
     assert_close(errs, "float16")

@@ -89,27 +89,29 @@ def _key_decays(DT: tl.constexpr, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mas
 
 
 @triton.jit
-def _key_gate(c, DT: tl.constexpr, a, PER_KEY: tl.constexpr):
-    """(exp(c @ a), the sum of a over the chunk) for _key_decays' a (common.seg_sums):
-    [BT, BK] and [BK, 1]; [BT, 1] and a scalar when a is the same for every key (not
-    PER_KEY)."""
-    f = exp_(seg_sums(c, a, DT))
+def _per_key(f, total, PER_KEY: tl.constexpr):
+    """Factors f [BT, BK] and the chunk's sums total [BK] as [BT, BK] and [BK, 1], or as
+    [BT, 1] and a scalar when the decays are the same for every key (not PER_KEY)."""
     if PER_KEY:
-        return f, tl.sum(a.to(tl.float32), 0)[:, None]
+        return f, total[:, None]
     else:
-        return tl.max(f, 1)[:, None], tl.max(tl.sum(a.to(tl.float32), 0), 0)
+        return tl.max(f, 1)[:, None], tl.max(total, 0)
+
+
+@triton.jit
+def _key_gate(c, DT: tl.constexpr, a, PER_KEY: tl.constexpr):
+    """(exp(c @ a), the sum of a over the chunk) for _key_decays' a (common.seg_sums),
+    shaped by _per_key."""
+    return _per_key(exp_(seg_sums(c, a, DT)), tl.sum(a.to(tl.float32), 0), PER_KEY)
 
 
 @triton.jit
 def _start_gate(o_t, DT: tl.constexpr, a, PER_KEY: tl.constexpr):
-    """(exp of the sums of a (_key_decays) from the chunk's start to each row, inclusive:
-    [BT, BK], or [BT, 1] when not PER_KEY; and the chunk's sum, [BK, 1] or a scalar), as
-    _key_gate's of level 2 BT but for the chunk's sum (common.start_sums)."""
+    """(exp of the sums of a (_key_decays) from the chunk's start to each row, inclusive;
+    the chunk's sum), shaped by _per_key: _key_gate's of level 2 BT but for the chunk's sum
+    (common.start_sums)."""
     s, total = start_sums(o_t, a, DT)
-    if PER_KEY:
-        return exp_(s), total[:, None]
-    else:
-        return tl.max(exp_(s), 1)[:, None], tl.max(total, 0)
+    return _per_key(exp_(s), total, PER_KEY)
 
 
 @triton.jit
@@ -283,7 +285,8 @@ def fused_chunk_fwd_kernel(
     # store between two loads keeps both, and the pipeliner copies each into shared
     # memory). Without key decays only k's copy is saved, and o stored where it is
     # computed keeps the loop's chain shorter
-    O_LAST: tl.constexpr = STAGES > 1 and KGATE and not LOCAL
+    START: tl.constexpr = STAGES > 1 and not LOCAL  # the chunk's sums from _start_gate
+    O_LAST: tl.constexpr = START and KGATE
     b_s = tl.zeros([BK, BV], dtype=tl.float32)
     s_a = tl.zeros([BK, 1], dtype=tl.float32)
     s_b = tl.zeros([1, BV], dtype=tl.float32)
@@ -307,8 +310,8 @@ def fused_chunk_fwd_kernel(
             if KGATE:  # gated from the chunk's start
                 a_q = _key_decays(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K,
                                   G_MODE, USE_GK, GAMMA_MODE)
-                if STAGES > 1:  # the chunk's sums too (else summed on the k side, not
-                    # held in registers in between)
+                if START:  # the chunk's sums too (else summed on the k side, not held
+                    # in registers in between)
                     f, l_k = _start_gate(o_t, DT, a_q, PER_KEY)
                 else:
                     f, _ = _key_gate(seg_matrix(o_t, 2 * BT, DT), DT, a_q, PER_KEY)
@@ -342,7 +345,7 @@ def fused_chunk_fwd_kernel(
             f, l_kk = _key_gate(seg_matrix(o_t, BT, DT), DT,
                                 _key_decays(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k,
                                             mask_k, H, K, G_MODE, USE_GK, GAMMA_MODE), PER_KEY)
-            if LOCAL or STAGES == 1:  # else _start_gate's sums
+            if not START:
                 l_k = l_kk
             b_k *= f
             b_s *= exp_(l_k)
@@ -420,10 +423,11 @@ def config(plan) -> dict:
     there) and chunk.intra_bk's blocks; else 8 warps and chunk.intra_bk's blocks (fp16's tf32
     products, gv's levels and fp32's FMA products spilled at 4 on sm_90), but BKI 64 for
     16 bits with gv (32 spilled on sm_80; there bf16 past 64 keys keeps 32, where 64
-    spilled more). On sm_90 (`tuning.wgmma`) the lean forward with
-    64 < V <= 128 and K <= 128 takes all of V in one block at 8 warps with key blocks
-    BKI of 128: one program a head instead of one a V block, so A is built once
-    (spilled 1.6 KB on sm_80), and its chunk loop software-pipelined (stages 3: the tiles
+    spilled more). On sm_90 (`tuning.wgmma`) the 16-bit forward with per-key or no
+    decays, without gv or K split (the lean one in bf16), with 32 < V <= 128 and
+    K <= 128 takes all of V in one block at 8 warps with key blocks BKI of 128: one
+    program a head instead of one a V block, so A is built once (spilled 1.6 KB on
+    sm_80), and its chunk loop software-pipelined (stages 3: the tiles
     of the chunk after next loaded during this one; unpipelined, each chunk's loads waited
     on the shared memory its previous products used, and at 2 the next chunk's loads issue
     at the end of the body, so the next run starts waiting on them): the key blocks and
@@ -434,7 +438,8 @@ def config(plan) -> dict:
     registers; `tuning.wgmma` false, as on the CPU): bf16 with per-key decays over more
     than 64 keys (the lean tiles: 0.6 KB spilled at K = 128 on 32-token chunks; V blocks
     of 32 at 8 warps instead, spill-free on 32, ran about 3x the time model's chain) and
-    fp32 with them and gv; on sm_90, fp16 with them and gv over more than 64 keys.
+    fp32 with them and gv; on sm_90, fp16 with them over more than 64 keys with gv or on
+    all of V (280 B spilled on 32).
     num_warps, BKI, BV, stages and BT: the device table's
     "fused_chunk_fwd_kernel" entry where it has one (`SITES`)."""
     check_k(plan, "fused_chunk")
@@ -452,19 +457,21 @@ def config(plan) -> dict:
     # beside a [K, 64] state (with mma.sync, operands in registers, 64 spilled)
     BV = min(16 if split and half and plan.gv else 64 if wide or (gv16 and wgmma) else 32,
              max(16, next_pow2(plan.V)))
+    lean = plan.dtype == "bfloat16" and not plan.gv and not split
+    # all of V in one block on sm_90 (A built once a head, not once a V block), in bf16
+    # and fp16; with mma.sync that spilled, and at K = V = 32 with per-key decays
+    # (132-188 B)
+    whole = wide and not split and wgmma and plan.K <= 128 and 32 < plan.V <= 128
     # 16-token chunks where 32 spilled on sm_80 (mma.sync: operands in registers): bf16's
     # lean tiles with per-key decays over more than 64 keys (0.6 KB) and fp32 with them and
     # gv (its value levels' FMA products beside the state: 132-168 B at K = 64; gv alone
     # spilled on 16 tokens, none on 32); on sm_90 fp16 with them and gv over more than 64
-    # keys (its tf32 products: 48-84 B)
+    # keys, and so on the whole tiles (its tf32 products: 48-84 B, 280 B)
     bt = (16 if keyed and (not wgmma and (plan.dtype == "bfloat16" and BK > 64
                                           or plan.dtype == "float32" and plan.gv)
-                           or wgmma and plan.dtype == "float16" and plan.gv and BK > 64)
+                           or wgmma and plan.dtype == "float16" and (plan.gv or whole)
+                           and BK > 64)
           else BT)
-    lean = plan.dtype == "bfloat16" and not plan.gv and not split
-    # all of V in one block on sm_90 (A built once a head, not once a V block); with
-    # mma.sync that spilled
-    whole = lean and wide and wgmma and plan.K <= 128 and 64 < plan.V <= 128
     # with mma.sync: the lean tiles with per-key decays at K = 64 on 8 warps (4 spilled
     # 24 B; 8 is one program a SM, 4 two), 16 bits with per-key (or no) decays at K <= 32
     # on 4 (8 spilled 48-72 B: fp16 without gates, bf16 with every gate)

@@ -235,6 +235,9 @@ def fused_chunk_bwd_dkv_kernel(
     i_nh, i_h, i_hk, bos, eos, gamma, base, o_k, o_v, mask_k, mask_v, p_kv = _program(
         cu_seqlens, g_gamma, T, H, HK, K, V, BK, BV, NK, NV, IS_VARLEN, GAMMA_MODE)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
+    # pipelined, the chunk's sums are read off the product that gates q (common.start_sums;
+    # with DV it spilled)
+    START: tl.constexpr = STAGES > 1 and not DV
     DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE, USE_GK,
                                    GAMMA_MODE)
     op: tl.constexpr = op_dtype(q.dtype.element_ty)
@@ -307,7 +310,7 @@ def fused_chunk_bwd_dkv_kernel(
                      mask=mask_t[:, None] & mask_v[None, :])
         b_qs = b_q.to(tl.float32) * scale
         if KGATE:  # gated from the chunk's start
-            if STAGES > 1 and not DV:  # the chunk's sums too (with DV it spilled)
+            if START:
                 s_q, s_c = start_sums(o_t, a, DT)
                 b_qs *= exp_(s_q)
             else:
