@@ -425,7 +425,7 @@ def config(plan) -> dict:
     16 bits with gv (32 spilled on sm_80; there bf16 past 64 keys keeps 32, where 64
     spilled more). On sm_90 (`tuning.wgmma`) the 16-bit forward with per-key or no
     decays, without gv or K split (the lean one in bf16), with 32 < V <= 128 and
-    K <= 128 takes all of V in one block at 8 warps with key blocks BKI of 128: one
+    K <= 128 takes all of V in one block at 8 warps with key blocks BKI of all of K: one
     program a head instead of one a V block, so A is built once (spilled 1.6 KB on
     sm_80), and its chunk loop software-pipelined (stages 3: the tiles
     of the chunk after next loaded during this one; unpipelined, each chunk's loads waited
