@@ -170,10 +170,16 @@ def test_bf16_key_decays_past_64_keys_on_16_token_chunks():
     ("gv-fp16-100", "float16", 100, None, dict(BKI=64, num_warps=8, BT=32)),
     ("fp16-32", "float16", 32, None, dict(num_warps=4, BT=32)),
     ("lean-bf16-64", "bfloat16", 64, None, dict(BKI=64, num_warps=8, BT=32)),
+    # fp16's lean tiles as bf16's: per-key decays past 64 keys at 4 warps on 16-token
+    # chunks (8 warps on 32 spilled in the loop), a head gate at K <= 32 on 8 warps
+    ("lean-fp16-96", "float16", 96, None, dict(BKI=64, num_warps=4, BT=16)),
+    ("head-bf16-32", "bfloat16", 32, None, dict(num_warps=8, BT=32)),
     # sm_90: gv's levels beside V blocks of 64 (wgmma), fp16 with per-key decays and gv
     # past 64 keys on 16-token chunks
     ("gv-bf16-64-sm90", "bfloat16", 64, "9.0 Fake GPU", dict(BKI=64, BV=64, BT=32)),
     ("gv-fp16-100-sm90", "float16", 100, "9.0 Fake GPU", dict(BKI=64, BV=64, BT=16)),
+    # sm_90: fp16 with a head gate on the lean tiles (8 warps on 32-key blocks before)
+    ("head-fp16-64-sm90", "float16", 64, "9.0 Fake GPU", dict(BKI=64, BV=32, num_warps=4)),
     # sm_90: all of V (40, padded to 64) in one block, pipelined, at K = 64 in both 16-bit
     # dtypes, where 4 warps and 64-wide blocks were unpipelined
     ("whole-bf16-64-sm90", "bfloat16", 64, "9.0 Fake GPU",
@@ -185,18 +191,18 @@ def test_spill_free_16bit_tiles(name, dtype, K, device, want):
     """The 16-bit forward tiles `fused_chunk.config` takes where the others spilled on
     sm_80 or sm_90 (the builds: tests/test_compiled_build.py's 16-bit spill tests),
     through the interpreter against the oracle: every gate but the lean and whole cases'
-    key gate alone, across several chunks (the gv plans' backward is the chunk family's
-    list, the others' the on-chip walks)."""
+    key gate alone and the head cases' head gate, across several chunks (the gv plans'
+    backward is the chunk family's list, the others' the on-chip walks)."""
     gv = name.startswith("gv")
     keyed = name.startswith(("lean", "whole"))
     gates = (dict(g="key", gk=True, gv=True, g_gamma="head") if gv else dict(g="key")
-             if keyed else {})
+             if keyed else dict(g="head") if name.startswith("head") else {})
     case = C(name, T=70, H=2, Hk=1, K=K, V=40, initial_state=True, **gates)
     with tuning.on_device(device):
         plan = cases.launch_env(case, backends.prepared(case, dtype, 0), dtype)[0]
         got = fused_chunk.config(plan)
         assert {k: got[k] for k in want} == want, got
-        assert_close(run_case(case, dtype, backward=keyed), dtype)
+        assert_close(run_case(case, dtype, backward=not gv and bool(gates)), dtype)
         if device:  # sm_90's gv tiles split into 2 segments too (local pass, combine),
             # under weak gates, so that a segment's incoming state shows in o
             check_split(case.with_(gate_scale=0.02), dtype, splits=(2,))
@@ -350,6 +356,12 @@ def test_sm90_tiles_bf16(case):
         assert fused_chunk_bwd.config(wide_k)["stages"] == dict(bwd_dq=3, bwd_dk=1, bwd_dv=1)
         head = contract.check(*bf16, g=torch.zeros(1, 1, 2, dtype=torch.bfloat16))
         assert fused_chunk_bwd.config(head)["stages"] == dict(bwd_dq=3, bwd_dk=3, bwd_dv=1)
+        # a head gate past V = 64 on 64-wide V blocks and 16-token chunks (sm90-varlen-head
+        # runs them), the same decays from g_gamma on 32-wide blocks and 32-token chunks
+        gamma = contract.check(*bf16, g_gamma=torch.zeros(2))
+        assert [(c["BV"], c["BT"]) for c in map(fused_chunk.config, (head, gamma))] == [
+            (64, 16), (32, 32)]
+    assert fused_chunk.config(head)["BV"] == 32  # sm_80's: the broadcasts spilled on 64
     assert_close(errs, "bfloat16")
 
 

@@ -410,21 +410,22 @@ def config(plan) -> dict:
     blocks of BV: 64 columns (an fp32 state [128, 64]: 32 registers a thread at 8 warps, 64
     at 4) where that builds without spills on sm_80 and sm_90 (`python -m parity.compiled --family
     fused_chunk`), else 32: with gv (its level products beside the state; 64 on sm_90,
-    whose wgmma takes its operands from shared memory), with key
-    decays the same for every key (g [B,T,H] or g_gamma alone: their broadcasts), for
+    whose wgmma takes its operands from shared memory), with key decays the same for
+    every key (g [B,T,H] or g_gamma: their broadcasts; 64 for g alone in 16 bits on sm_90
+    past V = 64, on 16-token chunks, where 32 made two rounds of programs), for
     fp32 (FMA products) and for K blocks over 128. With K split, 64 columns only for
     16-bit keys without decays, 16 for 16-bit with gv, and with gv K blocks of 32 but in
-    bf16. bf16 without gv or K split ("lean"): 4 warps (two programs a SM on sm_90
-    without spills; A's [32, 32] products repeat on fewer warps than at 8; but 8 with
-    sm_80's mma.sync and per-key decays at 32 < K <= 64, where 4 spilled) and the
-    intra-chunk products on K blocks BKI of 64 (every level of A from each block,
-    `_intra`: fewer, longer level runs); 16 bits with K split, or on sm_80 with per-key
-    (or no) decays at K <= 32: 4 warps (8 spilled with every gate under triton 3.6, and
-    there) and chunk.intra_bk's blocks; else 8 warps and chunk.intra_bk's blocks (fp16's tf32
-    products, gv's levels and fp32's FMA products spilled at 4 on sm_90), but BKI 64 for
-    16 bits with gv (32 spilled on sm_80; there bf16 past 64 keys keeps 32, where 64
-    spilled more). On sm_90 (`tuning.wgmma`) the 16-bit forward with per-key or no
-    decays, without gv or K split (the lean one in bf16), with 32 < V <= 128 and
+    bf16. 16 bits without gv or K split ("lean"): 4 warps (two programs a SM without
+    spills; A's [32, 32] products repeat on fewer warps than at 8; but 8 with decays the
+    same for every key at K <= 32, one program a SM on a shorter chain, and with sm_80's
+    mma.sync and per-key decays at 32 < K <= 64, where 4 spilled) and the intra-chunk
+    products on K blocks BKI of 64 (every level of A from each block, `_intra`: fewer,
+    longer level runs); 16 bits with K split, or with gv on sm_80 and per-key (or no)
+    key decays at K <= 32: 4 warps (8 spilled with every gate under triton 3.6) and
+    chunk.intra_bk's blocks; else 8 warps and chunk.intra_bk's blocks (gv's levels and
+    fp32's FMA products spilled at 4 on sm_90), but BKI 64 for 16 bits with gv (32
+    spilled on sm_80; there bf16 past 64 keys keeps 32, where 64 spilled more). On sm_90
+    (`tuning.wgmma`) the lean forward with per-key or no decays, with 32 < V <= 128 and
     K <= 128 takes all of V in one block at 8 warps with key blocks BKI of all of K: one
     program a head instead of one a V block, so A is built once (spilled 1.6 KB on
     sm_80), and its chunk loop software-pipelined (stages 3: the tiles
@@ -435,11 +436,12 @@ def config(plan) -> dict:
     never with gv's value levels or K split; elsewhere 1, the unrolled products spilling
     beside narrower tiles).
     Chunks of BT = 32 tokens but 16 where 32 spilled with sm_80's mma.sync (operands in
-    registers; `tuning.wgmma` false, as on the CPU): bf16 with per-key decays over more
-    than 64 keys (the lean tiles: 0.6 KB spilled at K = 128 on 32-token chunks; V blocks
-    of 32 at 8 warps instead, spill-free on 32, ran about 3x the time model's chain) and
-    fp32 with them and gv; on sm_90, fp16 with them over more than 64 keys with gv or on
-    all of V (280 B spilled on 32).
+    registers; `tuning.wgmma` false, as on the CPU): bf16 and the lean tiles with per-key
+    decays over more than 64 keys (bf16's lean tiles: 0.6 KB spilled at K = 128 on
+    32-token chunks; V blocks of 32 at 8 warps instead, spill-free on 32, ran about 3x
+    the time model's chain) and fp32 with them and gv; on sm_90, fp16 with them over
+    more than 64 keys with gv or on all of V (280 B spilled on 32), and a head gate's
+    64-wide V blocks (above).
     num_warps, BKI, BV, stages and BT: the device table's
     "fused_chunk_fwd_kernel" entry where it has one (`SITES`)."""
     check_k(plan, "fused_chunk")
@@ -453,29 +455,37 @@ def config(plan) -> dict:
     wgmma = tuning.wgmma()
     gv16 = half and plan.gv and not split
     wide = half and BK <= 128 and not plan.gv and (not key_gated(plan) if split else per_key)
+    lean = half and not plan.gv and not split
     # wgmma reads its operands from shared memory: registers enough for gv's value levels
-    # beside a [K, 64] state (with mma.sync, operands in registers, 64 spilled)
-    BV = min(16 if split and half and plan.gv else 64 if wide or (gv16 and wgmma) else 32,
-             max(16, next_pow2(plan.V)))
-    lean = plan.dtype == "bfloat16" and not plan.gv and not split
+    # beside a [K, 64] state (with mma.sync, operands in registers, 64 spilled), and for a
+    # head gate's broadcasts past V = 64 on 16-token chunks (on 32 columns, two rounds of
+    # programs; on 32-token chunks 252-255 registers, 16-56 B spilled with some H;
+    # g_gamma's spilled on 64)
+    head64 = (lean and wgmma and plan.g == "head" and not plan.gk and plan.g_gamma == "none"
+              and plan.V > 64)
+    BV = min(16 if split and half and plan.gv else 64 if wide or (gv16 and wgmma) or head64
+             else 32, max(16, next_pow2(plan.V)))
     # all of V in one block on sm_90 (A built once a head, not once a V block), in bf16
     # and fp16; with mma.sync that spilled, and at K = V = 32 with per-key decays
     # (132-188 B)
     whole = wide and not split and wgmma and plan.K <= 128 and 32 < plan.V <= 128
-    # 16-token chunks where 32 spilled on sm_80 (mma.sync: operands in registers): bf16's
-    # lean tiles with per-key decays over more than 64 keys (0.6 KB) and fp32 with them and
-    # gv (its value levels' FMA products beside the state: 132-168 B at K = 64; gv alone
-    # spilled on 16 tokens, none on 32); on sm_90 fp16 with them and gv over more than 64
-    # keys, and so on the whole tiles (its tf32 products: 48-84 B, 280 B)
-    bt = (16 if keyed and (not wgmma and (plan.dtype == "bfloat16" and BK > 64
+    # 16-token chunks where 32 spilled on sm_80 (mma.sync: operands in registers): bf16
+    # and the lean tiles with per-key decays over more than 64 keys (0.6 KB; fp16's 180 B
+    # on 8 warps), and fp32 with them and gv (its value levels' FMA products beside the
+    # state: 132-168 B at K = 64; gv alone spilled on 16 tokens, none on 32); on sm_90
+    # fp16 with them and gv over more than 64 keys, and so on the whole tiles (its tf32
+    # products: 48-84 B, 280 B)
+    bt = (16 if keyed and (not wgmma and ((plan.dtype == "bfloat16" or lean) and BK > 64
                                           or plan.dtype == "float32" and plan.gv)
                            or wgmma and plan.dtype == "float16" and (plan.gv or whole)
-                           and BK > 64)
+                           and BK > 64) or head64
           else BT)
-    # with mma.sync: the lean tiles with per-key decays at K = 64 on 8 warps (4 spilled
-    # 24 B; 8 is one program a SM, 4 two), 16 bits with per-key (or no) decays at K <= 32
+    # 8 warps for the lean tiles with decays the same for every key at K <= 32 (one
+    # program a SM, but a shorter chain), and with mma.sync with per-key decays at K = 64
+    # (4 spilled 24-60 B); with mma.sync 16 bits with per-key (or no) decays at K <= 32
     # on 4 (8 spilled 48-72 B: fp16 without gates, bf16 with every gate)
-    warps = (8 if whole or (lean and keyed and not wgmma and BK == 64)
+    warps = (8 if whole or (lean and (not wgmma and keyed and BK == 64
+                                      or not per_key and BK <= 32))
              else 4 if lean or (half and split) or (half and per_key and not wgmma and BK <= 32)
              else 8)
     # gv in 16 bits: every level from 64-key blocks, as the lean tiles (32 spilled 24-60 B
