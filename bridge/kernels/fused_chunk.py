@@ -468,7 +468,7 @@ def config(plan) -> dict:
     # all of V in one block on sm_90 (A built once a head, not once a V block), in bf16
     # and fp16; with mma.sync that spilled, and at K = V = 32 with per-key decays
     # (132-188 B)
-    whole = wide and not split and wgmma and plan.K <= 128 and 32 < plan.V <= 128
+    whole = lean and per_key and wgmma and plan.K <= 128 and 32 < plan.V <= 128
     # 16-token chunks where 32 spilled on sm_80 (mma.sync: operands in registers): bf16
     # and the lean tiles with per-key decays over more than 64 keys (0.6 KB; fp16's 180 B
     # on 8 warps), and fp32 with them and gv (its value levels' FMA products beside the
@@ -482,11 +482,12 @@ def config(plan) -> dict:
           else BT)
     # 8 warps for the lean tiles with decays the same for every key at K <= 32 (one
     # program a SM, but a shorter chain), and with mma.sync with per-key decays at K = 64
-    # (4 spilled 24-60 B); with mma.sync 16 bits with per-key (or no) decays at K <= 32
-    # on 4 (8 spilled 48-72 B: fp16 without gates, bf16 with every gate)
+    # (4 spilled 24-60 B); with mma.sync 16 bits with gv and per-key (or no) key decays at
+    # K <= 32 on 4, as the lean tiles (8 spilled 48-72 B: fp16 without gates, bf16 with
+    # every gate)
     warps = (8 if whole or (lean and (not wgmma and keyed and BK == 64
                                       or not per_key and BK <= 32))
-             else 4 if lean or (half and split) or (half and per_key and not wgmma and BK <= 32)
+             else 4 if lean or (half and split) or (gv16 and per_key and not wgmma and BK <= 32)
              else 8)
     # gv in 16 bits: every level from 64-key blocks, as the lean tiles (32 spilled 24-60 B
     # on sm_80), but bf16 past 64 keys with mma.sync (64 spilled more)
