@@ -331,13 +331,15 @@ def test_trip_counts_follow_dtypes(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- fused_chunk's 16-bit plans
 
-# The 16-bit forward with per-key decays at 255 registers (sm_90's pipelined bf16 on all of
-# V at 8 warps, sm_80's lean tiles at 4): ptxas keeps values that live across the chunk loop
-# (from the thread index, for the final state's store) in local memory, stored before the
-# loop and loaded after it, never inside it
+# The 16-bit forward at 255 registers (with per-key decays sm_90's pipelined bf16 on all of
+# V at 8 warps and sm_80's lean tiles at 4; with decays the same for every key the
+# pipelined tiles at 4): ptxas keeps values that live across the chunk loop (from the
+# thread index, for the final state's store) in local memory, stored before the loop and
+# loaded after it, never inside it
 _POST_LOOP_FWD_SPILLS = {(90, "bf16", "key", 96): 12, (90, "bf16", "key", 128): 12,
                          (80, "bf16", "key", 96): 36, (80, "fp16", "key", 96): 48,
-                         (80, "fp16", "key", 128): 24}
+                         (80, "fp16", "key", 128): 24, (80, "bf16", "head", 128): 12,
+                         (90, "fp16", "gamma", 96): 12}
 
 _FUSED_CHUNK_16 = '''
 import json
@@ -373,7 +375,7 @@ def test_fused_chunk_16bit_plans_build_without_spills_on_sm90(tmp_path):
     forward without gv ("lean": fused_chunk.config) at 4 warps (two programs a SM:
     registers <= 255 at 128 threads) but with per-key or no decays, there all of V at
     8 warps, and so fp16's forward (with per-key decays on 16-token chunks at V = 128),
-    and with a head gate alone past V = 64 on 64-wide V blocks;
+    with decays the same for every key (a head gate, g_gamma) on 32-wide V blocks;
     the dq and dk walks at 4 warps on 16-token chunks, the dv walk on all of
     V at 8 on 32-token chunks. The bf16 forward with per-key decays at K = V = 128 spills
     only the bytes `_POST_LOOP_FWD_SPILLS` allows (outside its loop: the 16-bit forward
@@ -387,8 +389,7 @@ def test_fused_chunk_16bit_plans_build_without_spills_on_sm90(tmp_path):
     lean = {(g, kv): (w, bv) for d, g, kv, name, w, bv, bt, *_ in got
             if d == "bf16" and g != "all" and name == "fused_chunk_fwd_kernel"}
     assert len(lean) == 8
-    assert lean == {(g, kv): (8, kv) if g in ("key", "none") else (4, 64) if (g, kv) == (
-        "head", 128) else (4, 32) for g, kv in lean}
+    assert lean == {(g, kv): (8, kv) if g in ("key", "none") else (4, 32) for g, kv in lean}
     lean16 = {(g, kv): (w, bv) for d, g, kv, name, w, bv, bt, *_ in got
               if d == "fp16" and g in ("head", "gamma") and name == "fused_chunk_fwd_kernel"}
     assert lean16 == {(g, kv): lean[g, kv] for g, kv in lean16}  # fp16's as bf16's

@@ -173,13 +173,19 @@ def test_bf16_key_decays_past_64_keys_on_16_token_chunks():
     # fp16's lean tiles as bf16's: per-key decays past 64 keys at 4 warps on 16-token
     # chunks (8 warps on 32 spilled in the loop), a head gate at K <= 32 on 8 warps
     ("lean-fp16-96", "float16", 96, None, dict(BKI=64, num_warps=4, BT=16)),
-    ("head-bf16-32", "bfloat16", 32, None, dict(num_warps=8, BT=32)),
+    # decays the same for every key: A without levels, the key blocks all of K, the chunk
+    # loop pipelined at 4 warps on 32-wide V blocks and 32-token chunks, on every arch
+    ("head-bf16-32", "bfloat16", 32, None, dict(BKI=32, BV=32, num_warps=4, stages=3, BT=32)),
+    ("gamma-bf16-128", "bfloat16", 128, None,
+     dict(BKI=128, BV=32, num_warps=4, stages=3, BT=32)),
     # sm_90: gv's levels beside V blocks of 64 (wgmma), fp16 with per-key decays and gv
     # past 64 keys on 16-token chunks
     ("gv-bf16-64-sm90", "bfloat16", 64, "9.0 Fake GPU", dict(BKI=64, BV=64, BT=32)),
     ("gv-fp16-100-sm90", "float16", 100, "9.0 Fake GPU", dict(BKI=64, BV=64, BT=16)),
-    # sm_90: fp16 with a head gate on the lean tiles (8 warps on 32-key blocks before)
-    ("head-fp16-64-sm90", "float16", 64, "9.0 Fake GPU", dict(BKI=64, BV=32, num_warps=4)),
+    ("head-fp16-64-sm90", "float16", 64, "9.0 Fake GPU",
+     dict(BKI=64, BV=32, num_warps=4, stages=3, BT=32)),
+    ("gamma-fp16-96-sm90", "float16", 96, "9.0 Fake GPU",
+     dict(BKI=128, BV=32, num_warps=4, stages=3, BT=32)),
     # sm_90: all of V (40, padded to 64) in one block, pipelined, at K = 64 in both 16-bit
     # dtypes, where 4 warps and 64-wide blocks were unpipelined
     ("whole-bf16-64-sm90", "bfloat16", 64, "9.0 Fake GPU",
@@ -196,7 +202,8 @@ def test_spill_free_16bit_tiles(name, dtype, K, device, want):
     gv = name.startswith("gv")
     keyed = name.startswith(("lean", "whole"))
     gates = (dict(g="key", gk=True, gv=True, g_gamma="head") if gv else dict(g="key")
-             if keyed else dict(g="head") if name.startswith("head") else {})
+             if keyed else dict(g="head") if name.startswith("head")
+             else dict(g_gamma="head") if name.startswith("gamma") else {})
     case = C(name, T=70, H=2, Hk=1, K=K, V=40, initial_state=True, **gates)
     with tuning.on_device(device):
         plan = cases.launch_env(case, backends.prepared(case, dtype, 0), dtype)[0]
@@ -269,12 +276,15 @@ def test_backward_rule():
     assert not fused_chunk_bwd.supported(plan(64, 64, g_gamma="head"))
 
 
-@pytest.mark.parametrize("g", ["key", "head"])
-def test_backward_several_blocks(g):
+@pytest.mark.parametrize("g, varlen", [("key", False), ("head", False), ("head", True)])
+def test_backward_several_blocks(g, varlen):
     """K = 40, V = 40 in fp32: the dq and dk walks take three K blocks of 16, the dv walk
     three V blocks. The dk walk finishes dq, dk and the key gate's gradient itself (fold);
-    a head gate's gradient sums over the K blocks, so there the combine pass does."""
+    a head gate's gradient sums over the K blocks, so there the combine pass does (on its
+    32-token chunks: across two, and reversed over varlen sequences of 70, 0, 1 and 33)."""
     case = C("bwd-blocks", T=40, H=1, Hk=1, K=40, V=40, g=g, initial_state=True)
+    if varlen:
+        case = case.with_(seqlens=(70, 0, 1, 33), packed=True, reverse=True)
     plan, _, _ = cases.launch_env(case, backends.prepared(case, "float32", 0), "float32")
     names = [ln.kernel.__name__ for ln in fused_chunk_bwd.launches(plan, True)]
     assert names[-1] == ("fused_chunk_bwd_combine_kernel" if g == "head" else
@@ -344,24 +354,22 @@ def test_sm90_tiles_bf16(case):
     # head gate (fp16's below)
     assert (wide[1]["stages"], narrow[1]["stages"]) == (dict(bwd_dq=3, bwd_dk=3, bwd_dv=3),
                                                       dict(bwd_dq=1, bwd_dk=1, bwd_dv=1))
-    # fp16: the dq and dk walks pipelined but with a head gate, the dk walk's not with
-    # per-key decays past 96 keys; its dv walk never
+    # fp16: the dq and dk walks pipelined, the dk walk's not with per-key decays past 96
+    # keys; its dv walk never
     with tuning.on_device("9.0 Fake GPU"):
         assert fused_chunk_bwd.config(cases.launch_env(case, backends.prepared(
-            case, "float16", 0), "float16")[0])["stages"] == (
-                dict(bwd_dq=1, bwd_dk=1, bwd_dv=1) if case.g == "head"
-                else dict(bwd_dq=3, bwd_dk=3, bwd_dv=1))
+            case, "float16", 0), "float16")[0])["stages"] == dict(bwd_dq=3, bwd_dk=3, bwd_dv=1)
         fp16 = [torch.zeros(1, 1, 2, 128, dtype=torch.float16) for _ in range(3)]
         wide_k = contract.check(*fp16, g=torch.zeros(1, 1, 2, 128, dtype=torch.float16))
         assert fused_chunk_bwd.config(wide_k)["stages"] == dict(bwd_dq=3, bwd_dk=1, bwd_dv=1)
         head = contract.check(*bf16, g=torch.zeros(1, 1, 2, dtype=torch.bfloat16))
         assert fused_chunk_bwd.config(head)["stages"] == dict(bwd_dq=3, bwd_dk=3, bwd_dv=1)
-        # a head gate past V = 64 on 64-wide V blocks and 16-token chunks (sm90-varlen-head
-        # runs them), the same decays from g_gamma on 32-wide blocks and 32-token chunks
+        # decays the same for every key (sm90-varlen-head runs them): 32-wide V blocks,
+        # 32-token chunks, the chunk loop pipelined at 4 warps, as sm_80's
         gamma = contract.check(*bf16, g_gamma=torch.zeros(2))
-        assert [(c["BV"], c["BT"]) for c in map(fused_chunk.config, (head, gamma))] == [
-            (64, 16), (32, 32)]
-    assert fused_chunk.config(head)["BV"] == 32  # sm_80's: the broadcasts spilled on 64
+        sm90 = [fused_chunk.config(c) for c in (head, gamma)]
+    assert sm90 == [fused_chunk.config(c) for c in (head, gamma)]
+    assert [(c["BV"], c["BT"], c["num_warps"], c["stages"]) for c in sm90] == [(32, 32, 4, 3)] * 2
     assert_close(errs, "bfloat16")
 
 

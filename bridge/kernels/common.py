@@ -422,6 +422,31 @@ def start_sums(o_t, a, DT: tl.constexpr):
 
 
 @triton.jit
+def row_decays(DT: tl.constexpr, g, gamma, row0, pos, mask_t, i_h, H: tl.constexpr,
+               K: tl.constexpr, G_MODE: tl.constexpr, GAMMA_MODE: tl.constexpr):
+    """[BT] in DT: the log decays of a block_pos tile where they are the same for every
+    key (g [B,T,H], g_gamma; no gk): decay_k_in's rows, read off 16 columns."""
+    o_u = tl.arange(0, 16)
+    return tl.max(decay_k_in(DT, g, g, gamma, row0, pos, mask_t, i_h, o_u, o_u < 16, H, K,
+                             G_MODE, False, GAMMA_MODE), 1)
+
+
+@triton.jit
+def pair_sums(o_t, a, DT: tl.constexpr, TRANS: tl.constexpr = False):
+    """[BT, BT] fp32: at (t, s) the sum of the log decays a [BT] (in DT, the same for every
+    key) over s < r <= t, 0 for s >= t; TRANS: at (s, t). seg_sums of a 0/1 matrix and a's
+    rows where they enter a column: row t sums rows 0..t of a below each column s (TRANS:
+    row s sums rows s + 1.. of a at or above each column t)."""
+    BT: tl.constexpr = o_t.shape[0]
+    if TRANS:
+        n = tl.where(o_t[:, None] <= o_t[None, :], a[:, None], 0.).to(DT)
+        return seg_sums(seg_matrix(o_t, BT, DT), n, DT)
+    else:
+        n = tl.where(o_t[:, None] > o_t[None, :], a[:, None], 0.).to(DT)
+        return seg_sums(seg_matrix(o_t, 2 * BT, DT), n, DT)
+
+
+@triton.jit
 def level_mask(o_t, h):
     """[BT, BT]: the pairs t > s whose highest differing position bit is h: row t
     in an odd segment of h, column s in the even one just before it."""

@@ -10,7 +10,10 @@ updates S:
     o   = scale (q gated from the chunk's start) S + A v        (gv: by levels)
     S  <- e^(the chunk's key decays) S e^(its value decays) + (k gated)^T (v gated)
 
-(gated to the chunk's end on the update side). The final state is the only extra
+(gated to the chunk's end on the update side). With decays the same for every key (g
+[B,T,H], g_gamma) A is q k^T times e^(each pair's decay sum: one [BT, BT] matrix,
+common.pair_sums, no levels), and both gates are a factor a row, taken on the rows of q S
+and of v. The final state is the only extra
 write: no per-chunk states h, no A, no gated copies in HBM. The name is the design's
 (flash-linear-attention calls its one-kernel GLA with the state in registers
 `fused_chunk` too): the chunked algebra fused into one kernel.
@@ -58,9 +61,9 @@ from ..launch import Launch, Out
 from . import chunk, fused_chunk_bwd
 from . import fused_chunk_split as split
 from .common import (block_pos, check_k, decay_k_in, exact_dtype, exp_, flags, gate_inputs,
-                     head_gamma, key_gated, level_mask, load_tile, next_pow2,
-                     op_dtype, seg_matrix, seg_sums, seq_bounds, start_sums, op_dot, tile_ptrs,
-                     varlen_input, wide_dtype)
+                     head_gamma, key_gated, level_mask, load_tile, next_pow2, op_dtype,
+                     pair_sums, row_decays, seg_matrix, seg_sums, seq_bounds, start_sums,
+                     op_dot, tile_ptrs, varlen_input, wide_dtype)
 
 BT = 32
 # The launch sites the device table (bridge/tuning.py) may tune, with the candidate values
@@ -139,7 +142,8 @@ def _intra_block(acc, diag, q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, sc
                  H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BKI: tl.constexpr,
                  G_MODE: tl.constexpr, USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr,
                  LEVELS: tl.constexpr, DOT_PREC: tl.constexpr, UNROLL: tl.constexpr):
-    """(acc, diag) plus the keys kb .. kb + BKI - 1 (`_intra`); UNROLL: the level loop
+    """(acc, diag) plus the keys kb .. kb + BKI - 1 (`_intra`): per-key decays by levels,
+    else q k^T alone (`_intra` decays it); UNROLL: the level loop
     unrolled into one straight body (the diagonal a product into acc, the levels without
     branches of their own: ptxas overlaps one level's products with the next one's
     gates, and Triton converts A to the next product's operand layout once, where in a
@@ -148,13 +152,12 @@ def _intra_block(acc, diag, q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, sc
     BT: tl.constexpr = pos.shape[0]
     o_t = tl.arange(0, BT)
     op: tl.constexpr = op_dtype(q.dtype.element_ty)
-    KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
     PER_KEY: tl.constexpr = (G_MODE == 2) or USE_GK
     o_k = kb + tl.arange(0, BKI)
     mask_k = o_k < K
     b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
     b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K).to(b_q.dtype)
-    if KGATE:
+    if PER_KEY:
         if UNROLL:
             acc += tl.where(o_t[:, None] == o_t[None, :],
                             tl.dot(b_q.to(op), tl.trans(b_k.to(op)), input_precision=DOT_PREC),
@@ -185,9 +188,10 @@ def _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, k0, nki, H: 
            DOT_PREC: tl.constexpr, UNROLL: tl.constexpr):
     """A [BT, BT] fp32 of one chunk: scale sum_k q_tk k_sk exp(sum_{s<r<=t} a_rk) for
     s <= t, 0 above the diagonal, the sum over the keys k0 .. k0 + nki BKI - 1 (all of K,
-    or the program's K block when K is split). Key-gated pairs by levels
+    or the program's K block when K is split). Per-key decays' pairs by levels
     (chunk_intra_kernel's construction), all of them from each block of BKI keys while
     its q, k and decay tiles are loaded (once a chunk); the diagonal q_t . k_t ungated.
+    Decays the same for every key (g [B,T,H], g_gamma): q k^T times e^(common.pair_sums).
     UNROLL (all of K, k0 = 0): the key blocks and levels unrolled, for the pipeliner."""
     BT: tl.constexpr = pos.shape[0]
     o_t = tl.arange(0, BT)
@@ -204,10 +208,16 @@ def _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, k0, nki, H: 
             acc, diag = _intra_block(acc, diag, q, k, g, gk, gamma, row0, pos, mask_t, i_h,
                                      i_hk, scale, k0 + i_k * BKI, H, HK, K, BKI, G_MODE,
                                      USE_GK, GAMMA_MODE, LEVELS, DOT_PREC, False)
-    if KGATE:
+    PER_KEY: tl.constexpr = (G_MODE == 2) or USE_GK
+    if PER_KEY:
         if not UNROLL:
             acc = tl.where(o_t[:, None] == o_t[None, :], diag[:, None], acc)
     else:
+        if KGATE:  # the same decay for every key: each pair's from one [BT, BT] sum
+            DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE,
+                                           USE_GK, GAMMA_MODE)
+            a = row_decays(DT, g, gamma, row0, pos, mask_t, i_h, H, K, G_MODE, GAMMA_MODE)
+            acc *= exp_(pair_sums(o_t, a, DT))
         acc = tl.where(o_t[:, None] >= o_t[None, :], acc, 0.)
     return acc * scale
 
@@ -254,6 +264,9 @@ def fused_chunk_fwd_kernel(
     i_hk = i_h // (H // HK)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
     PER_KEY: tl.constexpr = (G_MODE == 2) or USE_GK
+    # decays the same for every key: their factors on rows of q S and of v (gv's v rounded
+    # to the dot's operand in LOCAL: its factor stays on k)
+    SCALAR: tl.constexpr = KGATE and not PER_KEY and not USE_GV
     bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     gamma = head_gamma(g_gamma, i_n, i_h, H, GAMMA_MODE)
     o_t = tl.arange(0, BT)
@@ -306,7 +319,9 @@ def fused_chunk_fwd_kernel(
         else:
             b_a = _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, k0, nki, H, HK,
                          K, BKI, G_MODE, USE_GK, GAMMA_MODE, LEVELS, DOT_PREC, STAGES > 1)
-            b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K).to(tl.float32) * scale
+            b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
+            if not SCALAR:
+                b_q = b_q.to(tl.float32) * scale
             if KGATE:  # gated from the chunk's start
                 a_q = _key_decays(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K,
                                   G_MODE, USE_GK, GAMMA_MODE)
@@ -315,8 +330,12 @@ def fused_chunk_fwd_kernel(
                     f, l_k = _start_gate(o_t, DT, a_q, PER_KEY)
                 else:
                     f, _ = _key_gate(seg_matrix(o_t, 2 * BT, DT), DT, a_q, PER_KEY)
-                b_q *= f
-            acc = op_dot(b_q.to(op), b_s, None, op, DOT_PREC)
+                if SCALAR:  # a factor a row: on (q S)'s rows, q as loaded (no fp32 copy)
+                    acc = op_dot(b_q.to(op), b_s, None, op, DOT_PREC) * (f * scale)
+                else:
+                    b_q *= f
+            if not SCALAR:
+                acc = op_dot(b_q.to(op), b_s, None, op, DOT_PREC)
             b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V)
             if USE_GV:
                 b = decay_k_in(DV, gv, gv, 0., row0, pos, mask_t, i_h, o_v, mask_v, H, V, 0,
@@ -340,14 +359,19 @@ def fused_chunk_fwd_kernel(
                 tl.store(tile_ptrs(o, row0, pos, i_h * NK + i_k, o_v, H * NK, V), b_o,
                          mask=mask_t[:, None] & mask_v[None, :])
         # k loaded (and its decays again, L1 hits) only now: q's tiles are dead by here
-        b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K).to(tl.float32)
+        b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K)
+        if not SCALAR:
+            b_k = b_k.to(tl.float32)
         if KGATE:  # gated to the chunk's end
             f, l_kk = _key_gate(seg_matrix(o_t, BT, DT), DT,
                                 _key_decays(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k,
                                             mask_k, H, K, G_MODE, USE_GK, GAMMA_MODE), PER_KEY)
             if not START:
                 l_k = l_kk
-            b_k *= f
+            if SCALAR:  # a factor a row: on v's rows ([BT, BV]) instead of k's ([BT, K])
+                b_vg = b_vg.to(tl.float32) * f
+            else:
+                b_k *= f
             b_s *= exp_(l_k)
             if LOCAL:
                 s_a += l_k
@@ -408,40 +432,38 @@ def config(plan) -> dict:
     """Tiles: all of K in one block (the state is one register tile), or past K = SPLIT_K
     (SPLIT_K_FP32 in fp32) blocks of SPLIT_BK over programs (NK = ceil(K / BK) of them), V
     blocks of BV: 64 columns (an fp32 state [128, 64]: 32 registers a thread at 8 warps, 64
-    at 4) where that builds without spills on sm_80 and sm_90 (`python -m parity.compiled --family
-    fused_chunk`), else 32: with gv (its level products beside the state; 64 on sm_90,
-    whose wgmma takes its operands from shared memory), with key decays the same for
-    every key (g [B,T,H] or g_gamma: their broadcasts; 64 for g alone in 16 bits on sm_90
-    past V = 64, on 16-token chunks, where 32 made two rounds of programs), for
-    fp32 (FMA products) and for K blocks over 128. With K split, 64 columns only for
-    16-bit keys without decays, 16 for 16-bit with gv, and with gv K blocks of 32 but in
-    bf16. 16 bits without gv or K split ("lean"): 4 warps (two programs a SM without
-    spills; A's [32, 32] products repeat on fewer warps than at 8; but 8 with decays the
-    same for every key at K <= 32, one program a SM on a shorter chain, and with sm_80's
-    mma.sync and per-key decays at 32 < K <= 64, where 4 spilled) and the intra-chunk
-    products on K blocks BKI of 64 (every level of A from each block, `_intra`: fewer,
-    longer level runs); 16 bits with K split, or with gv on sm_80 and per-key (or no)
-    key decays at K <= 32: 4 warps (8 spilled with every gate under triton 3.6) and
-    chunk.intra_bk's blocks; else 8 warps and chunk.intra_bk's blocks (gv's levels and
-    fp32's FMA products spilled at 4 on sm_90), but BKI 64 for 16 bits with gv (32
-    spilled on sm_80; there bf16 past 64 keys keeps 32, where 64 spilled more). On sm_90
-    (`tuning.wgmma`) the lean forward with per-key or no decays, with 32 < V <= 128 and
-    K <= 128 takes all of V in one block at 8 warps with key blocks BKI of all of K: one
-    program a head instead of one a V block, so A is built once (spilled 1.6 KB on
-    sm_80), and its chunk loop software-pipelined (stages 3: the tiles
-    of the chunk after next loaded during this one; unpipelined, each chunk's loads waited
-    on the shared memory its previous products used, and at 2 the next chunk's loads issue
-    at the end of the body, so the next run starts waiting on them): the key blocks and
-    level loops unrolled, since Triton's pipeliner takes no loop that holds a loop (so
-    never with gv's value levels or K split; elsewhere 1, the unrolled products spilling
-    beside narrower tiles).
+    at 4) where that builds without spills on sm_80 and sm_90 (`python -m parity.compiled
+    --family fused_chunk`), else 32: with gv (its level products beside the state; 64 on
+    sm_90, whose wgmma takes its operands from shared memory), with key decays the same
+    for every key (g [B,T,H] or g_gamma), for fp32 (FMA products) and for K blocks over
+    128. With K split, 64 columns only for 16-bit keys without decays, 16 for 16-bit with
+    gv, and with gv K blocks of 32 but in bf16. 16 bits without gv or K split ("lean"): 4
+    warps (two programs a SM without spills; A's [32, 32] products repeat on fewer warps
+    than at 8; but 8 with sm_80's mma.sync and per-key decays at 32 < K <= 64, where 4
+    spilled) and the intra-chunk products on K blocks BKI of 64 (every level of A from
+    each block, `_intra`: fewer, longer level runs); the lean tiles with decays the same
+    for every key ("scalar": A is q k^T times one [BT, BT] matrix of decays, no levels)
+    on key blocks of all of K and the chunk loop pipelined (stages 3, below) on every
+    arch; 16 bits with K split, or with gv on sm_80 and per-key (or no) key decays at K
+    <= 32: 4 warps (8 spilled with every gate under triton 3.6) and chunk.intra_bk's
+    blocks; else 8 warps and chunk.intra_bk's blocks (gv's levels and fp32's FMA products
+    spilled at 4 on sm_90), but BKI 64 for 16 bits with gv (32 spilled on sm_80; there
+    bf16 past 64 keys keeps 32, where 64 spilled more). On sm_90 (`tuning.wgmma`) the lean
+    forward with per-key or no decays, with 32 < V <= 128 and K <= 128 takes all of V in
+    one block at 8 warps with key blocks BKI of all of K: one program a head instead of
+    one a V block, so A is built once (spilled 1.6 KB on sm_80), and its chunk loop
+    software-pipelined (stages 3: the tiles of the chunk after next loaded during this
+    one; unpipelined, each chunk's loads waited on the shared memory its previous products
+    used, and at 2 the next chunk's loads issue at the end of the body, so the next run
+    starts waiting on them): the key blocks and level loops unrolled, since Triton's
+    pipeliner takes no loop that holds a loop (so never with gv's value levels or K
+    split; elsewhere 1, the unrolled products spilling beside narrower tiles).
     Chunks of BT = 32 tokens but 16 where 32 spilled with sm_80's mma.sync (operands in
     registers; `tuning.wgmma` false, as on the CPU): bf16 and the lean tiles with per-key
     decays over more than 64 keys (bf16's lean tiles: 0.6 KB spilled at K = 128 on
     32-token chunks; V blocks of 32 at 8 warps instead, spill-free on 32, ran about 3x
     the time model's chain) and fp32 with them and gv; on sm_90, fp16 with them over
-    more than 64 keys with gv or on all of V (280 B spilled on 32), and a head gate's
-    64-wide V blocks (above).
+    more than 64 keys with gv or on all of V (280 B spilled on 32).
     num_warps, BKI, BV, stages and BT: the device table's
     "fused_chunk_fwd_kernel" entry where it has one (`SITES`)."""
     check_k(plan, "fused_chunk")
@@ -457,13 +479,9 @@ def config(plan) -> dict:
     wide = half and BK <= 128 and not plan.gv and (not key_gated(plan) if split else per_key)
     lean = half and not plan.gv and not split
     # wgmma reads its operands from shared memory: registers enough for gv's value levels
-    # beside a [K, 64] state (with mma.sync, operands in registers, 64 spilled), and for a
-    # head gate's broadcasts past V = 64 on 16-token chunks (on 32 columns, two rounds of
-    # programs; on 32-token chunks 252-255 registers, 16-56 B spilled with some H;
-    # g_gamma's spilled on 64)
-    head64 = (lean and wgmma and plan.g == "head" and not plan.gk and plan.g_gamma == "none"
-              and plan.V > 64)
-    BV = min(16 if split and half and plan.gv else 64 if wide or (gv16 and wgmma) or head64
+    # beside a [K, 64] state (with mma.sync, operands in registers, 64 spilled)
+    scalar = lean and not per_key
+    BV = min(16 if split and half and plan.gv else 64 if wide or (gv16 and wgmma)
              else 32, max(16, next_pow2(plan.V)))
     # all of V in one block on sm_90 (A built once a head, not once a V block), in bf16
     # and fp16; with mma.sync that spilled, and at K = V = 32 with per-key decays
@@ -478,25 +496,23 @@ def config(plan) -> dict:
     bt = (16 if keyed and (not wgmma and ((plan.dtype == "bfloat16" or lean) and BK > 64
                                           or plan.dtype == "float32" and plan.gv)
                            or wgmma and plan.dtype == "float16" and (plan.gv or whole)
-                           and BK > 64) or head64
+                           and BK > 64)
           else BT)
-    # 8 warps for the lean tiles with decays the same for every key at K <= 32 (one
-    # program a SM, but a shorter chain), and with mma.sync with per-key decays at K = 64
-    # (4 spilled 24-60 B); with mma.sync 16 bits with gv and per-key (or no) key decays at
+    # 8 warps for the lean tiles with mma.sync with per-key decays at K = 64 (4 spilled
+    # 24-60 B); with mma.sync 16 bits with gv and per-key (or no) key decays at
     # K <= 32 on 4, as the lean tiles (8 spilled 48-72 B: fp16 without gates, bf16 with
     # every gate)
-    warps = (8 if whole or (lean and (not wgmma and keyed and BK == 64
-                                      or not per_key and BK <= 32))
+    warps = (8 if whole or (lean and not wgmma and keyed and BK == 64)
              else 4 if lean or (half and split) or (gv16 and per_key and not wgmma and BK <= 32)
              else 8)
     # gv in 16 bits: every level from 64-key blocks, as the lean tiles (32 spilled 24-60 B
     # on sm_80), but bf16 past 64 keys with mma.sync (64 spilled more)
-    bki = (128 if whole
+    bki = (128 if whole or scalar
            else 64 if lean or (gv16 and (wgmma or BK <= 64 or plan.dtype == "float16"))
            else chunk.intra_bk(plan))
     knobs = tuning.pick(plan, "fused_chunk", "fused_chunk_fwd_kernel",
                         dict(num_warps=warps, BKI=bki, BV=128 if whole else BV,
-                             stages=3 if whole else 1, BT=bt))
+                             stages=3 if whole or scalar else 1, BT=bt))
     BV = min(knobs["BV"], max(16, next_pow2(plan.V)))
     return dict(BK=BK, BKI=min(BK, knobs["BKI"]), BV=BV, NV=-(-plan.V // BV),
                 num_warps=knobs["num_warps"],

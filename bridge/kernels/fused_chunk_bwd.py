@@ -26,7 +26,9 @@ key decays from the chunk start to t (A_t) and from t + 1 to its end, and pairs 
 
 Decays inside a chunk are common.seg_sums of the log decays (sums of consecutive decays,
 exact fp32 sums of the decays' own values); the pairs s < t by levels of their highest
-differing position bit (chunk_fwd.py), each level's decay F(t) F(s), both exponents <= 0;
+differing position bit (chunk_fwd.py), each level's decay F(t) F(s), both exponents <= 0,
+but with decays the same for every key (g [B,T,H]) each pair's own from one [BT, BT]
+product (common.pair_sums: the decays over s < r <= t), no levels;
 the F-scaled operand of dq' and dk' in two pieces of its 16-bit dtype (common.split_dot;
 chunk_bwd.py: the two sides of a pair must round alike for the gate gradient). The walks
 split K (dq, dk) or V (dv) into blocks so that no gradient is a partial sum over blocks.
@@ -50,8 +52,9 @@ from ..contract import ITEMSIZE
 from ..launch import Launch, Out
 from . import chunk
 from .common import (block_pos, decay_k_in, exact_dtype, exp_, flags, head_gamma, level_mask,
-                     load_tile, next_pow2, op_dtype, present, seg_matrix, seg_sums, seq_bounds,
-                     op_dot, split_dot, start_sums, tile_ptrs, varlen_input, wide_dtype)
+                     load_tile, next_pow2, op_dtype, pair_sums, present, row_decays,
+                     seg_matrix, seg_sums, seq_bounds, op_dot, split_dot, start_sums,
+                     tile_ptrs, varlen_input, wide_dtype)
 
 
 @triton.jit
@@ -119,9 +122,10 @@ def fused_chunk_bwd_dq_kernel(
     i_nh, i_h, i_hk, bos, eos, gamma, base, o_k, o_v, mask_k, mask_v, p_kv = _program(
         cu_seqlens, g_gamma, T, H, HK, K, V, BK, BV, NK, 1, IS_VARLEN, GAMMA_MODE)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
+    PER_KEY: tl.constexpr = (G_MODE == 2) or USE_GK
     # pipelined with per-key decays, the chunk's sums are read off the product that gates
     # dq' (common.start_sums; else summed at the state's update, not held in between)
-    START: tl.constexpr = STAGES > 1 and ((G_MODE == 2) or USE_GK)
+    START: tl.constexpr = STAGES > 1 and PER_KEY
     FINAL_A: tl.constexpr = USE_DHT and ((G_MODE > 0) or USE_GK)
     DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE, USE_GK,
                                    GAMMA_MODE)
@@ -143,7 +147,12 @@ def fused_chunk_bwd_dq_kernel(
         elif KGATE:
             acc *= _factor(a, o_t, 2 * BT, DT)
         d_a = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
-        if KGATE and STAGES > 1:  # the pipeliner takes no loop that holds a loop
+        if KGATE and not PER_KEY:  # each pair's decay from one [BT, BT] sum, no levels
+            e = exp_(pair_sums(o_t, row_decays(DT, g, gamma, row0, pos, mask_t, i_h, H, K,
+                                               G_MODE, GAMMA_MODE), DT))
+            acc = op_dot(tl.where(o_t[:, None] > o_t[None, :], d_a * e, 0.).to(wide_dtype(op)),
+                         b_k, acc, op, DOT_PREC)
+        elif KGATE and STAGES > 1:  # the pipeliner takes no loop that holds a loop
             for lvl in tl.static_range(0, LEVELS):
                 acc = _pairs_level(acc, a, o_t, (BT // 2) >> lvl, d_a, b_k, 1., True, op, DT,
                                    DOT_PREC)
@@ -235,6 +244,7 @@ def fused_chunk_bwd_dkv_kernel(
     i_nh, i_h, i_hk, bos, eos, gamma, base, o_k, o_v, mask_k, mask_v, p_kv = _program(
         cu_seqlens, g_gamma, T, H, HK, K, V, BK, BV, NK, NV, IS_VARLEN, GAMMA_MODE)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
+    PER_KEY: tl.constexpr = (G_MODE == 2) or USE_GK
     # pipelined, the chunk's sums are read off the product that gates q (common.start_sums;
     # with DV it spilled)
     START: tl.constexpr = STAGES > 1 and not DV
@@ -254,7 +264,7 @@ def fused_chunk_bwd_dkv_kernel(
         b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K)
         b_do = load_tile(do, row0, pos, i_h, o_v, mask_t, mask_v, H, V).to(op)
         b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V).to(op)
-        if FOLD and KGATE:  # in flight through the level loop (without it, loaded late:
+        if FOLD and PER_KEY:  # in flight through the level loop (without it, loaded late:
             # one tile fewer live beside the products, which spilled in fp16 on sm_80)
             b_dq = load_tile(dq_prime, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
         acc_k, acc_v, d_at = 0., 0., 0.  # the absent walk's, passed through the levels
@@ -273,7 +283,19 @@ def fused_chunk_bwd_dkv_kernel(
             # the step's own term: A's diagonal, ungated
             diag = tl.sum(b_q.to(tl.float32) * b_k.to(tl.float32), 1) * scale
             acc_v += diag[:, None] * b_do.to(tl.float32)
-        if KGATE and STAGES > 1:  # the pipeliner takes no loop that holds a loop
+        if KGATE and not PER_KEY:  # each pair's decay from one [BT, BT] sum, no levels
+            later = o_t[:, None] < o_t[None, :]
+            e_t = exp_(pair_sums(o_t, row_decays(DT, g, gamma, row0, pos, mask_t, i_h, H, K,
+                                                 G_MODE, GAMMA_MODE), DT, True))
+            if DK:
+                # scaled after the product, as dq' (the pair's two sides round alike)
+                acc_k += op_dot(tl.where(later, d_at * e_t, 0.).to(wide_dtype(op)), b_q, None,
+                                op, DOT_PREC) * scale
+            if DV:
+                a_t = tl.dot(b_k.to(op), tl.trans(b_q.to(op)), input_precision=DOT_PREC)
+                acc_v += op_dot(tl.where(later, a_t * e_t * scale, 0.).to(wide_dtype(op)), b_do,
+                                None, op, DOT_PREC)
+        elif KGATE and STAGES > 1:  # the pipeliner takes no loop that holds a loop
             # (unrolled, A^T of every level gathered first: one product with do, not one a
             # level)
             at_s = tl.zeros([BT, BT], dtype=tl.float32) if DV else 0.
@@ -297,7 +319,7 @@ def fused_chunk_bwd_dkv_kernel(
                                 None, op, DOT_PREC)
         if FOLD:  # v_t . do_t: dA^T's diagonal
             vdo = tl.sum(tl.where(o_t[:, None] == o_t[None, :], d_at, 0.), 1) * scale
-            if not KGATE:
+            if not PER_KEY:
                 b_dq = load_tile(dq_prime, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
             carry = _finish(b_q, b_k, b_dq, acc_k, vdo, carry, (nc - 1 - i) * BT + o_t, n,
                             row0, pos, mask_t, i_h, o_k, mask_k, dq, dk, da, dg_head, H, K,
@@ -409,7 +431,10 @@ def fused_chunk_bwd_combine_kernel(
 
 # ---------------------------------------------------------------- launch plan
 
-BT = 16  # the combine's chunk length and the walks' default (`config`; the forward takes 32)
+BT = 16  # the walks' default chunk length (`config`; the forward takes 32)
+# the combine's, at 8 warps: its loads of a chunk's six tiles are independent of the carry,
+# so longer chunks shorten its serial chain (sequence length / chunk steps) to HBM time
+COMBINE_BT = 32
 
 
 def supported(plan) -> bool:
@@ -454,9 +479,8 @@ def config(plan) -> dict:
     since the pipeliner takes no loop that holds a loop; at 2 the next chunk's loads issue
     at the end of the body, so each run starts waiting on them; at 1 each chunk's loads
     wait on the shared memory its previous products used), 3 for bf16 on sm_90 but the
-    dv walk's with a head gate (its decays broadcast over K beside the unrolled levels
-    spilled 56-80 B at K = V = 128), and for fp16's dq and dk walks there but with a head
-    gate (no faster) and the dk walk's with per-key decays past 96 keys (8 B spilled at
+    dv walk's with a head gate (48 B spilled in its loop at K = V = 128), and for fp16's
+    dq and dk walks there but the dk walk's with per-key decays past 96 keys (8 B spilled at
     K = 128 under triton 3.6; fp16's dv walk is faster unpipelined, its runtime level loop
     shorter than the unrolled one; the dv walk on sm_80's tiles spilled 15.9 KB: sweep
     candidates elsewhere), else 1."""
@@ -467,9 +491,9 @@ def config(plan) -> dict:
     # chunks (half the serial steps)
     whole = wide and tuning.wgmma()
     bf16 = whole and plan.dtype == "bfloat16"
-    # fp16: the dq and dk walks pipelined but with a head gate (no faster there), the dk
-    # walk's not with per-key decays past 96 keys (8 B spilled at K = 128 under triton 3.6)
-    fp16 = whole and plan.dtype == "float16" and plan.g != "head"
+    # fp16: the dq and dk walks pipelined, the dk walk's not with per-key decays past 96
+    # keys (8 B spilled at K = 128 under triton 3.6)
+    fp16 = whole and plan.dtype == "float16"
     keyed = plan.g == "key" or plan.gk  # per-key decays (fused_chunk.config's name)
     stages = dict(bwd_dq=3 if bf16 or fp16 else 1,
                   bwd_dk=3 if bf16 or (fp16 and not (keyed and plan.K > 96)) else 1,
@@ -514,14 +538,14 @@ def launches(plan, use_dht: bool) -> list:
     own = plan.group == 1
     isz = ITEMSIZE[plan.dtype]
     tokens = B * T
-    gated = plan.g != "none" or plan.gk
+    keyed = plan.g == "key" or plan.gk  # per-key decays: A's levels (else one pair product)
 
     def dot_flops(site):
         """Per chunk and head (x 2 bt for FLOPs): the state products (2 [bt,K]x[K,V] and the
         update), and dA and its level products (2 pieces each) or A's levels and A^T do."""
         bt = c["chunks"][site]
         chunks = T // bt + N if plan.varlen else B * -(-T // bt)
-        levels = bt.bit_length() - 1 if gated else 1
+        levels = bt.bit_length() - 1 if keyed else 1
         inner = (bt * V + levels * 2 * bt * K if site != "bwd_dv" else levels * bt * (K + V))
         return int(2 * bt * chunks * H * (2 * K * V + inner))
 
@@ -591,9 +615,9 @@ def launches(plan, use_dht: bool) -> list:
                         dk_prime="dk_prime", dfa="dfa" if final_a else None),
             scalars=dict(scale=plan.scale, T=T),
             outputs=finals,
-            constexprs=dict(H=fl["H"], HK=fl["HK"], K=K, V=V, BT=BT, BK=c["BK"], BV=c["BV"],
-                            G_MODE=fl["G_MODE"], USE_GK=fl["USE_GK"],
+            constexprs=dict(H=fl["H"], HK=fl["HK"], K=K, V=V, BT=COMBINE_BT, BK=c["BK"],
+                            BV=c["BV"], G_MODE=fl["G_MODE"], USE_GK=fl["USE_GK"],
                             USE_H0=plan.initial_state, USE_DHT=use_dht,
                             IS_VARLEN=plan.varlen, REVERSE=plan.reverse),
-            num_warps=4, bytes=int(qkvdo + 2 * f32 + finals_bytes))]),
+            num_warps=8, bytes=int(qkvdo + 2 * f32 + finals_bytes))]),
     ]
