@@ -258,7 +258,8 @@ def test_backward_choice(monkeypatch):
 
 def test_backward_rule():
     """Which plans the on-chip walks take (fused_chunk_bwd.supported): those whose builds
-    have no spills; no gv, no g_gamma."""
+    have no spills; no gv; g_gamma alone on sm_90 (faked: tuning.wgmma) in bf16 up to
+    K = V = 128 and in fp16 up to 64."""
     def plan(K, V, dtype="bfloat16", **gates):
         return contract.Plan(B=1, T=64, H=2, Hk=2, K=K, V=V, N=1, g=gates.get("g", "none"),
                              gk=gates.get("gk", False), gv=gates.get("gv", False),
@@ -274,6 +275,36 @@ def test_backward_rule():
     assert fused_chunk_bwd.supported(plan(64, 64, "float32", gk=True))
     assert not fused_chunk_bwd.supported(plan(64, 64, gv=True))
     assert not fused_chunk_bwd.supported(plan(64, 64, g_gamma="head"))
+    with tuning.on_device("9.0 Fake GPU"):
+        assert fused_chunk_bwd.supported(plan(128, 128, g_gamma="head"))
+        assert fused_chunk_bwd.supported(plan(64, 64, "float16", g_gamma="seq"))
+        assert not fused_chunk_bwd.supported(plan(96, 96, "float16", g_gamma="head"))
+        assert not fused_chunk_bwd.supported(plan(64, 64, g="head", g_gamma="head"))
+        assert not fused_chunk_bwd.supported(plan(32, 32, "float32", g_gamma="head"))
+
+
+# g_gamma's on-chip walks (sm_90 only, faked): its gradient a sum over every step, both
+# forms, the fold (K <= 64) and the combine (K = 96: two K blocks of 64), varlen with an
+# empty and a one-token sequence, reversed, with an initial state and without
+GAMMA_CASES = [C("gamma-fold", T=70, H=2, Hk=1, K=64, V=40, g_gamma="head", initial_state=True),
+               C("gamma-combine-seq", T=70, H=2, Hk=2, K=96, V=100, g_gamma="seq",
+                 initial_state=True),
+               C("gamma-varlen-rev", H=2, Hk=1, K=96, V=64, seqlens=(40, 0, 1, 37),
+                 g_gamma="head", reverse=True, packed=True)]
+
+
+@pytest.mark.parametrize("case", GAMMA_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gamma_walks(case, dtype):
+    """g_gamma through the walks (no chunk-family launch in the backward), forward and
+    every gradient within the dtype's tolerance of the float64 oracle; fp16 past K = 64
+    keeps the chunk family's list."""
+    with tuning.on_device("9.0 Fake GPU"):
+        plan = cases.launch_env(case, backends.prepared(case, dtype, 0), dtype)[0]
+        names = {x.kernel.__name__ for x in fused_chunk.backward_launches(plan, True)}
+        walks = dtype == "bfloat16" or case.K <= 64
+        assert ("fused_chunk_bwd_dq_kernel" in names) == walks, names
+        assert_close(run_case(case, dtype, backward=True), dtype)
 
 
 @pytest.mark.parametrize("g, varlen", [("key", False), ("head", False), ("head", True)])

@@ -300,11 +300,16 @@ def op_dot(x, y, acc, OP: tl.constexpr, DOT_PREC: tl.constexpr, TRANS: tl.conste
 
 
 @triton.jit
-def split_dot(w, y, acc, OP: tl.constexpr, DOT_PREC: tl.constexpr):
+def split_dot(w, y, acc, OP: tl.constexpr, DOT_PREC: tl.constexpr, WIDE: tl.constexpr = False):
     """acc + w @ y (op_dot) for a computed fp32 y [D, N]: y in two pieces of the 16-bit
     dtype OP, y's rounding to OP and what that rounding lost (16 bits of mantissa: both
     sides of a pair round alike for the gate gradient, chunk_bwd.py), one piece for fp32
-    and fp64 OP. acc: fp32 [M, N] or None."""
+    and fp64 OP; WIDE (a y past fp16's range, a state): for fp16 OP the pieces at tf32,
+    fp16's precision with fp32's range, as op_dot takes them. acc: fp32 [M, N] or None."""
+    if WIDE and (OP == tl.float16):
+        y0 = _tf32_near(y)
+        p = op_dot(w, y - y0, acc, OP, DOT_PREC)
+        return op_dot(w, y0, p, OP, DOT_PREC)
     y0 = y.to(OP)
     if (OP == tl.float32) | (OP == tl.float64):
         return op_dot(w, y0, acc, OP, DOT_PREC)

@@ -11,9 +11,9 @@ updates S:
     S  <- e^(the chunk's key decays) S e^(its value decays) + (k gated)^T (v gated)
 
 (gated to the chunk's end on the update side). With decays the same for every key (g
-[B,T,H], g_gamma) A is q k^T times e^(each pair's decay sum: one [BT, BT] matrix,
-common.pair_sums, no levels), and both gates are a factor a row, taken on the rows of q S
-and of v. The final state is the only extra
+[B,T,H], g_gamma) and no gv A is q k^T times e^(each pair's decay sum: one [BT, BT]
+matrix, common.pair_sums, no levels), and both gates are a factor a row, taken on the
+rows of q S and of v. The final state is the only extra
 write: no per-chunk states h, no A, no gated copies in HBM. The name is the design's
 (flash-linear-attention calls its one-kernel GLA with the state in registers
 `fused_chunk` too): the chunked algebra fused into one kernel.
@@ -35,8 +35,8 @@ decays' own values, as 1 or 3 16-bit tensor-core products), the same dot operand
 the state and A at tf32, common.op_dot).
 
 Backward: fused_chunk_bwd.py's walks with S or dh in registers, where they apply
-(fused_chunk_bwd.supported: no gv, no g_gamma, K, V <= 128 in 16 bits), else the chunk
-family's launch list (chunk.backward_launches, 64-token chunks, which
+(fused_chunk_bwd.supported: no gv, K, V <= 128 in 16 bits, g_gamma only on sm_90), else
+the chunk family's launch list (chunk.backward_launches, 64-token chunks, which
 recomputes the states h and dh and A into HBM); GLA_BRIDGE_FUSED_CHUNK_BWD=chunk takes
 the chunk list always. Nothing is kept from the forward (autograd holds the inputs).
 The buffers beyond the returned gradients at (8,4096,16,128,128) bf16 (`parity.compiled
@@ -141,9 +141,10 @@ def _a_level(acc, o_t, h, a, b_q, b_k, scale, DT: tl.constexpr, PER_KEY: tl.cons
 def _intra_block(acc, diag, q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, kb,
                  H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BKI: tl.constexpr,
                  G_MODE: tl.constexpr, USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr,
-                 LEVELS: tl.constexpr, DOT_PREC: tl.constexpr, UNROLL: tl.constexpr):
-    """(acc, diag) plus the keys kb .. kb + BKI - 1 (`_intra`): per-key decays by levels,
-    else q k^T alone (`_intra` decays it); UNROLL: the level loop
+                 LEVELS: tl.constexpr, DOT_PREC: tl.constexpr, UNROLL: tl.constexpr,
+                 PAIRS: tl.constexpr):
+    """(acc, diag) plus the keys kb .. kb + BKI - 1 (`_intra`): key decays by levels, but
+    with PAIRS (or none) q k^T alone (`_intra` decays it); UNROLL: the level loop
     unrolled into one straight body (the diagonal a product into acc, the levels without
     branches of their own: ptxas overlaps one level's products with the next one's
     gates, and Triton converts A to the next product's operand layout once, where in a
@@ -152,12 +153,13 @@ def _intra_block(acc, diag, q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, sc
     BT: tl.constexpr = pos.shape[0]
     o_t = tl.arange(0, BT)
     op: tl.constexpr = op_dtype(q.dtype.element_ty)
+    KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
     PER_KEY: tl.constexpr = (G_MODE == 2) or USE_GK
     o_k = kb + tl.arange(0, BKI)
     mask_k = o_k < K
     b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
     b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K).to(b_q.dtype)
-    if PER_KEY:
+    if KGATE and not PAIRS:
         if UNROLL:
             acc += tl.where(o_t[:, None] == o_t[None, :],
                             tl.dot(b_q.to(op), tl.trans(b_k.to(op)), input_precision=DOT_PREC),
@@ -185,14 +187,16 @@ def _intra_block(acc, diag, q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, sc
 def _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, k0, nki, H: tl.constexpr,
            HK: tl.constexpr, K: tl.constexpr, BKI: tl.constexpr, G_MODE: tl.constexpr,
            USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr, LEVELS: tl.constexpr,
-           DOT_PREC: tl.constexpr, UNROLL: tl.constexpr):
+           DOT_PREC: tl.constexpr, UNROLL: tl.constexpr, PAIRS: tl.constexpr):
     """A [BT, BT] fp32 of one chunk: scale sum_k q_tk k_sk exp(sum_{s<r<=t} a_rk) for
     s <= t, 0 above the diagonal, the sum over the keys k0 .. k0 + nki BKI - 1 (all of K,
     or the program's K block when K is split). Per-key decays' pairs by levels
     (chunk_intra_kernel's construction), all of them from each block of BKI keys while
     its q, k and decay tiles are loaded (once a chunk); the diagonal q_t . k_t ungated.
-    Decays the same for every key (g [B,T,H], g_gamma): q k^T times e^(common.pair_sums).
-    UNROLL (all of K, k0 = 0): the key blocks and levels unrolled, for the pipeliner."""
+    PAIRS (decays the same for every key, g [B,T,H] or g_gamma, without gv: the kernel's
+    SCALAR): q k^T times e^(common.pair_sums); with gv those take the levels too (pairs
+    spilled on sm_80 beside gv's value levels). UNROLL (all of K, k0 = 0): the key blocks
+    and levels unrolled, for the pipeliner."""
     BT: tl.constexpr = pos.shape[0]
     o_t = tl.arange(0, BT)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
@@ -202,18 +206,17 @@ def _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, k0, nki, H: 
         for i_k in tl.static_range(0, (K + BKI - 1) // BKI):
             acc, diag = _intra_block(acc, diag, q, k, g, gk, gamma, row0, pos, mask_t, i_h,
                                      i_hk, scale, i_k * BKI, H, HK, K, BKI, G_MODE, USE_GK,
-                                     GAMMA_MODE, LEVELS, DOT_PREC, True)
+                                     GAMMA_MODE, LEVELS, DOT_PREC, True, PAIRS)
     else:
         for i_k in range(0, nki):
             acc, diag = _intra_block(acc, diag, q, k, g, gk, gamma, row0, pos, mask_t, i_h,
                                      i_hk, scale, k0 + i_k * BKI, H, HK, K, BKI, G_MODE,
-                                     USE_GK, GAMMA_MODE, LEVELS, DOT_PREC, False)
-    PER_KEY: tl.constexpr = (G_MODE == 2) or USE_GK
-    if PER_KEY:
+                                     USE_GK, GAMMA_MODE, LEVELS, DOT_PREC, False, PAIRS)
+    if KGATE and not PAIRS:
         if not UNROLL:
             acc = tl.where(o_t[:, None] == o_t[None, :], diag[:, None], acc)
     else:
-        if KGATE:  # the same decay for every key: each pair's from one [BT, BT] sum
+        if PAIRS:  # the same decay for every key: each pair's from one [BT, BT] sum
             DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE,
                                            USE_GK, GAMMA_MODE)
             a = row_decays(DT, g, gamma, row0, pos, mask_t, i_h, H, K, G_MODE, GAMMA_MODE)
@@ -318,7 +321,8 @@ def fused_chunk_fwd_kernel(
                 s_b += l_v
         else:
             b_a = _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, k0, nki, H, HK,
-                         K, BKI, G_MODE, USE_GK, GAMMA_MODE, LEVELS, DOT_PREC, STAGES > 1)
+                         K, BKI, G_MODE, USE_GK, GAMMA_MODE, LEVELS, DOT_PREC, STAGES > 1,
+                         SCALAR)
             b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
             if not SCALAR:
                 b_q = b_q.to(tl.float32) * scale
@@ -443,8 +447,8 @@ def config(plan) -> dict:
     spilled) and the intra-chunk products on K blocks BKI of 64 (every level of A from
     each block, `_intra`: fewer, longer level runs); the lean tiles with decays the same
     for every key ("scalar": A is q k^T times one [BT, BT] matrix of decays, no levels)
-    on key blocks of all of K and the chunk loop pipelined (stages 3, below) on every
-    arch; 16 bits with K split, or with gv on sm_80 and per-key (or no) key decays at K
+    on key blocks of all of K and the chunk loop pipelined (stages 3, below), on sm_80
+    up to K = 128; 16 bits with K split, or with gv on sm_80 and per-key (or no) key decays at K
     <= 32: 4 warps (8 spilled with every gate under triton 3.6) and chunk.intra_bk's
     blocks; else 8 warps and chunk.intra_bk's blocks (gv's levels and fp32's FMA products
     spilled at 4 on sm_90), but BKI 64 for 16 bits with gv (32 spilled on sm_80; there
@@ -480,7 +484,9 @@ def config(plan) -> dict:
     lean = half and not plan.gv and not split
     # wgmma reads its operands from shared memory: registers enough for gv's value levels
     # beside a [K, 64] state (with mma.sync, operands in registers, 64 spilled)
-    scalar = lean and not per_key
+    # decays the same for every key: pipelined on key blocks of all of K, but past 128
+    # keys with mma.sync (352-784 B spilled in the loop at K = 256)
+    scalar = lean and not per_key and (wgmma or BK <= 128)
     BV = min(16 if split and half and plan.gv else 64 if wide or (gv16 and wgmma)
              else 32, max(16, next_pow2(plan.V)))
     # all of V in one block on sm_90 (A built once a head, not once a V block), in bf16

@@ -8,34 +8,39 @@ key decays from the chunk start to t (A_t) and from t + 1 to its end, and pairs 
 
   fused_chunk_bwd_dq_kernel   the forward walk again, one program per (sequence x head,
       K block) with S [BK, V] fp32 in registers: dq'_t = scale e^(A_t) S_start do_t
-      + scale sum_{s<t} (do_t.v_s) (decay s..t) k_s, [B,T,H,K] fp32; with dht and g or gk
-      also sum_V dht S~_T [N,H,K] (the last token's k v left out of the last update).
+      + scale sum_{s<t} (do_t.v_s) (decay s..t) k_s, [B,T,H,K] fp32; with dht and a key
+      gate also sum_V dht S~_T [N,H,K] (the last token's k v left out of the last update).
   fused_chunk_bwd_dkv_kernel  the reverse walk, dS fp32 in registers from dht, chunks last
       to first, dS_start = e^(chunk) dS_end + scale (q gated from the start)^T do:
       DK, per K block (all of V): dk'_s = (dS_end v_s)(decay to the end)
           + scale sum_{t>s} (do_t.v_s) (decay s..t) q_t, and from it and dq' (FOLD,
-          `_finish`) dq and dk with the steps' own terms and the key-gate gradient as
+          `_finish`) dq and dk with the steps' own terms and the key-gate gradients as
           fused_recurrent's reverse cumulative sum of q dq' - k dk' from the final-state
           term, inside a chunk one exact table product (common.seg_sums), across chunks a
           carried [BK] sum;
       DV, per V block (all of K): dv_s = (k_s gated to the end) dS_end + sum_{t>=s} A_ts do_t
           in v's dtype (fp32 per query head with GQA), and d(initial_state).
   fused_chunk_bwd_combine_kernel  the same per (sequence x head) from dk' [B,T,H,K] fp32,
-      where the DK walk does not (`config`'s fold: a head gate's gradient, a sum over K,
-      with K in several blocks).
+      where the DK walk does not (`config`'s fold: a head gate's or g_gamma's gradient, a
+      sum over K, with K in several blocks).
 
 Decays inside a chunk are common.seg_sums of the log decays (sums of consecutive decays,
 exact fp32 sums of the decays' own values); the pairs s < t by levels of their highest
 differing position bit (chunk_fwd.py), each level's decay F(t) F(s), both exponents <= 0,
-but with decays the same for every key (g [B,T,H]) each pair's own from one [BT, BT]
-product (common.pair_sums: the decays over s < r <= t), no levels;
-the F-scaled operand of dq' and dk' in two pieces of its 16-bit dtype (common.split_dot;
+but with decays the same for every key (g [B,T,H], g_gamma) each pair's own from one
+[BT, BT] product (common.pair_sums: the decays over s < r <= t), no levels; the
+F-scaled operand of dq' and dk' in two pieces of its 16-bit dtype (common.split_dot;
 chunk_bwd.py: the two sides of a pair must round alike for the gate gradient). The walks
 split K (dq, dk) or V (dv) into blocks so that no gradient is a partial sum over blocks.
 
+g_gamma's gradient dgamma [N,H] is the head gate's summed over the sequence's steps (the
+same decay at every step and key), a sum over the whole walk whose terms cancel: there
+the dq and dk walks take S and dh as dot operands, and the gated k and q that update
+them, in two pieces (common.split_dot), so that 16-bit roundings do not shift it.
+
 Not here (the chunk family's list runs instead, fused_chunk.backward_launches): the value
-gate gv (its gradient needs o' do and value levels), g_gamma (its gradient is not a
-cumulative sum, see chunk_bwd.py), and the shapes whose builds spill (`supported`).
+gate gv (its gradient needs o' do and value levels), g_gamma but alone on sm_90, and the
+shapes whose builds spill (`supported`).
 
 Memory at (8,4096,16,128,128) bf16, g [B,T,H,K] (`parity.compiled --report`'s workspace, the
 buffers beyond the returned gradients): dq' in fp32, 0.268 GB; the
@@ -51,8 +56,8 @@ from .. import tuning
 from ..contract import ITEMSIZE
 from ..launch import Launch, Out
 from . import chunk
-from .common import (block_pos, decay_k_in, exact_dtype, exp_, flags, head_gamma, level_mask,
-                     load_tile, next_pow2, op_dtype, pair_sums, present, row_decays,
+from .common import (block_pos, decay_k_in, exact_dtype, exp_, flags, head_gamma, key_gated,
+                     level_mask, load_tile, next_pow2, op_dtype, pair_sums, present, row_decays,
                      seg_matrix, seg_sums, seq_bounds, op_dot, split_dot, start_sums,
                      tile_ptrs, varlen_input, wide_dtype)
 
@@ -126,10 +131,13 @@ def fused_chunk_bwd_dq_kernel(
     # pipelined with per-key decays, the chunk's sums are read off the product that gates
     # dq' (common.start_sums; else summed at the state's update, not held in between)
     START: tl.constexpr = STAGES > 1 and PER_KEY
-    FINAL_A: tl.constexpr = USE_DHT and ((G_MODE > 0) or USE_GK)
+    FINAL_A: tl.constexpr = USE_DHT and KGATE
     DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE, USE_GK,
                                    GAMMA_MODE)
     op: tl.constexpr = op_dtype(q.dtype.element_ty)
+    # g_gamma's gradient sums every step's, where a 16-bit rounding of S and of its gated k
+    # would not cancel between dq' and dk': both in two pieces
+    PRECISE: tl.constexpr = (GAMMA_MODE > 0) and (op != tl.float32)
     o_t = tl.arange(0, BT)
     b_s = _state_in(h0, base, p_kv, mask_k, mask_v, USE_H0)
     n = eos - bos
@@ -140,7 +148,10 @@ def fused_chunk_bwd_dq_kernel(
         b_do = load_tile(do, row0, pos, i_h, o_v, mask_t, mask_v, H, V).to(op)
         b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V).to(op)
         b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K)
-        acc = op_dot(b_do, b_s, None, op, DOT_PREC, TRANS=True)
+        if PRECISE:
+            acc = split_dot(b_do, tl.trans(b_s), None, op, DOT_PREC, True)
+        else:
+            acc = op_dot(b_do, b_s, None, op, DOT_PREC, TRANS=True)
         if START:
             s_q, s_c = start_sums(o_t, a, DT)
             acc *= exp_(s_q)
@@ -168,10 +179,14 @@ def fused_chunk_bwd_dq_kernel(
         if FINAL_A:  # S~_T: the last token's k v stays out of the last update
             b_k = tl.where((c * BT + o_t == n - 1)[:, None], 0., b_k)
         if KGATE:  # gated to the chunk's end
-            b_k = (b_k.to(tl.float32) * _factor(a, o_t, BT, DT)).to(op)
+            b_kf = b_k.to(tl.float32) * _factor(a, o_t, BT, DT)
+            b_k = b_kf.to(op)
             if not START:
                 s_c = tl.sum(a.to(tl.float32), 0)
             b_s *= exp_(s_c)[:, None]
+            if PRECISE:  # what rounding k lost
+                b_s = tl.dot(tl.trans((b_kf - b_k.to(tl.float32)).to(op)), b_v, b_s,
+                             input_precision=DOT_PREC)
         b_s = tl.dot(tl.trans(b_k.to(op)), b_v, b_s, input_precision=DOT_PREC)
     if FINAL_A:
         b_dht = tl.load(dht + base + p_kv, mask=mask_k[:, None] & mask_v[None, :], other=0.)
@@ -226,7 +241,7 @@ def _reverse_level(acc_k, acc_v, a, o_t, hl, d_at, b_q, b_k, b_do, scale, op: tl
 def fused_chunk_bwd_dkv_kernel(
     q, k, v, g, gk, g_gamma, cu_seqlens, do, dht, dq_prime, dfa,
     scale, T,
-    dk, dv, dh0, dq, da, dg_head,
+    dk, dv, dh0, dq, da, dg_head, dgamma,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
     G_MODE: tl.constexpr, USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr,
@@ -237,7 +252,8 @@ def fused_chunk_bwd_dkv_kernel(
     """One (sequence x head, K block, V block), chunks last to first, dS [BK, BV] fp32 in
     registers. DK (all of V, NV = 1): dk' [B,T,H,K] fp32; with FOLD instead the combine's
     work (`_finish`, from the dq walk's dq' and dfa): dq and dk per query head [B,T,H,K]
-    and the gate's gradient (dg_head only with all of K, NK = 1). DV (all of K, NK = 1):
+    and the gates' gradients (dg_head and dgamma only with all of K, NK = 1). DV (all of
+    K, NK = 1):
     dv per query head [B,T,H,V] with the step's own term, and (USE_H0) dh0 [N,H,K,V]
     fp32."""
     scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
@@ -251,11 +267,14 @@ def fused_chunk_bwd_dkv_kernel(
     DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE, USE_GK,
                                    GAMMA_MODE)
     op: tl.constexpr = op_dtype(q.dtype.element_ty)
+    # as the dq walk's: dh and its gated q in two pieces for dk'
+    PRECISE: tl.constexpr = (GAMMA_MODE > 0) and (op != tl.float32) and DK
     o_t = tl.arange(0, BT)
     b_dh = _state_in(dht, base, p_kv, mask_k, mask_v, USE_DHT)
     n = eos - bos
     nc = tl.cdiv(n, BT)
-    carry = _carry_in(dfa, i_nh, o_k, mask_k, K, FOLD and USE_DHT and ((G_MODE > 0) or USE_GK))
+    carry = _carry_in(dfa, i_nh, o_k, mask_k, K, FOLD and USE_DHT and KGATE)
+    gsum = 0.
     for i in tl.range(0, nc, num_stages=STAGES):
         row0, pos, mask_t = block_pos(bos, eos, (nc - 1 - i) * BT, BT, REVERSE)
         a = _key_decays(g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K, G_MODE,
@@ -270,7 +289,10 @@ def fused_chunk_bwd_dkv_kernel(
         acc_k, acc_v, d_at = 0., 0., 0.  # the absent walk's, passed through the levels
         # through the chunk end's state gradient
         if DK:
-            acc_k = op_dot(b_v, b_dh, None, op, DOT_PREC, TRANS=True)
+            if PRECISE:
+                acc_k = split_dot(b_v, tl.trans(b_dh), None, op, DOT_PREC, True)
+            else:
+                acc_k = op_dot(b_v, b_dh, None, op, DOT_PREC, TRANS=True)
             if KGATE:
                 acc_k *= _factor(a, o_t, BT, DT)
             d_at = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)  # dA^T [s, t]
@@ -321,9 +343,10 @@ def fused_chunk_bwd_dkv_kernel(
             vdo = tl.sum(tl.where(o_t[:, None] == o_t[None, :], d_at, 0.), 1) * scale
             if not PER_KEY:
                 b_dq = load_tile(dq_prime, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
-            carry = _finish(b_q, b_k, b_dq, acc_k, vdo, carry, (nc - 1 - i) * BT + o_t, n,
-                            row0, pos, mask_t, i_h, o_k, mask_k, dq, dk, da, dg_head, H, K,
-                            G_MODE, USE_GK, USE_H0)
+            carry, gsum = _finish(b_q, b_k, b_dq, acc_k, vdo, carry, gsum,
+                                  (nc - 1 - i) * BT + o_t, n, row0, pos, mask_t, i_h, o_k,
+                                  mask_k, dq, dk, da, dg_head, H, K, G_MODE, USE_GK,
+                                  GAMMA_MODE, USE_H0)
         elif DK:
             tl.store(tile_ptrs(dk, row0, pos, i_h, o_k, H, K), acc_k,
                      mask=mask_t[:, None] & mask_k[None, :])
@@ -339,15 +362,20 @@ def fused_chunk_bwd_dkv_kernel(
                 b_qs *= _factor(a, o_t, 2 * BT, DT)
                 s_c = tl.sum(a.to(tl.float32), 0)
             b_dh *= exp_(s_c)[:, None]
+            if PRECISE:  # what rounding q lost
+                b_dh = tl.dot(tl.trans((b_qs - b_qs.to(op).to(tl.float32)).to(op)), b_do, b_dh,
+                              input_precision=DOT_PREC)
         b_dh = tl.dot(tl.trans(b_qs.to(op)), b_do, b_dh, input_precision=DOT_PREC)
     if DV and USE_H0:
         tl.store(dh0 + base + p_kv, b_dh, mask=mask_k[:, None] & mask_v[None, :])
+    if FOLD and GAMMA_MODE > 0:
+        tl.store(dgamma + i_nh, gsum)
 
 
 @triton.jit
 def _carry_in(dfa, i_nh, o_k, mask_k, K: tl.constexpr, USE: tl.constexpr):
     """`_finish`'s carry before the last chunk [BK]: the final state's term dfa [N,H,K]
-    (USE: with dht and g or gk), else 0."""
+    (USE: with dht and a key gate), else 0."""
     carry = tl.zeros(o_k.shape, dtype=tl.float32)
     if USE:
         carry += tl.load(dfa + i_nh * K + o_k, mask=mask_k, other=0.)
@@ -355,24 +383,25 @@ def _carry_in(dfa, i_nh, o_k, mask_k, K: tl.constexpr, USE: tl.constexpr):
 
 
 @triton.jit
-def _finish(b_q, b_k, b_dq, b_dk, vdo, carry, p, n, row0, pos, mask_t, i_h, o_k, mask_k,
+def _finish(b_q, b_k, b_dq, b_dk, vdo, carry, gsum, p, n, row0, pos, mask_t, i_h, o_k, mask_k,
             dq, dk, da, dg_head, H: tl.constexpr, K: tl.constexpr, G_MODE: tl.constexpr,
-            USE_GK: tl.constexpr, USE_H0: tl.constexpr):
+            USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr, USE_H0: tl.constexpr):
     """One chunk's gradients from dq', dk' [BT, BK] fp32 (chunks last to first): dq and dk
     with the step's own terms (vdo [BT] = scale v_t . do_t), and for key gates da (g or
     gk [B,T,H,K]) or its sum over K dg_head (g [B,T,H]: BK holds all of K): the reverse
     cumulative sums of q dq' - k dk' (the sequence's last k dk' left out) from carry [BK],
     the later chunks' sums; inside the chunk one exact table product (common.seg_sums).
     Without USE_H0 the first step's gate gradient is exactly 0 (its gates decay a zero
-    state). p: the rows' positions in the sequence's processing order, n its length.
-    Returns the carry for the chunk before."""
+    state). g_gamma's, the same sums over the chunk's steps and keys, added to gsum (BK
+    holds all of K). p: the rows' positions in the sequence's processing order, n its
+    length. Returns the carry for the chunk before and gsum."""
     b_q, b_k = b_q.to(tl.float32), b_k.to(tl.float32)
     m_tk = mask_t[:, None] & mask_k[None, :]
     tl.store(tile_ptrs(dq, row0, pos, i_h, o_k, H, K),
              (b_dq + vdo[:, None] * b_k).to(dq.dtype.element_ty), mask=m_tk)
     tl.store(tile_ptrs(dk, row0, pos, i_h, o_k, H, K),
              (b_dk + vdo[:, None] * b_q).to(dk.dtype.element_ty), mask=m_tk)
-    if (G_MODE > 0) or USE_GK:
+    if (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0):
         BT: tl.constexpr = b_q.shape[0]
         x = b_q * b_dq - tl.where((p == n - 1)[:, None], 0., b_k * b_dk)
         b_g = carry[None, :] + x + seg_sums(seg_matrix(tl.arange(0, BT), BT, tl.float32), x,
@@ -383,21 +412,24 @@ def _finish(b_q, b_k, b_dq, b_dk, vdo, carry, p, n, row0, pos, mask_t, i_h, o_k,
         if (G_MODE == 2) or USE_GK:
             tl.store(tile_ptrs(da, row0, pos, i_h, o_k, H, K), b_g.to(da.dtype.element_ty),
                      mask=m_tk)
-        if G_MODE == 1:
-            tl.store(dg_head + (row0 + pos) * H + i_h, tl.sum(tl.where(m_tk, b_g, 0.), 1),
-                     mask=mask_t)
-    return carry
+        if (G_MODE == 1) or (GAMMA_MODE > 0):
+            g_t = tl.sum(tl.where(m_tk, b_g, 0.), 1)
+            if G_MODE == 1:
+                tl.store(dg_head + (row0 + pos) * H + i_h, g_t, mask=mask_t)
+            if GAMMA_MODE > 0:
+                gsum += tl.sum(g_t, 0)
+    return carry, gsum
 
 
 @triton.jit
 def fused_chunk_bwd_combine_kernel(
     q, k, v, do, cu_seqlens, dq_prime, dk_prime, dfa,
     scale, T,
-    dq, dk, da, dg_head,
+    dq, dk, da, dg_head, dgamma,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    G_MODE: tl.constexpr, USE_GK: tl.constexpr, USE_H0: tl.constexpr, USE_DHT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr,
+    G_MODE: tl.constexpr, USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr, USE_H0: tl.constexpr,
+    USE_DHT: tl.constexpr, IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr,
 ):
     """One (sequence x head), all of K, chunks last to first: `_finish` from dq', dk'
     [B,T,H,K] fp32 and the final state's term dfa [N,H,K] (the dk walk does this itself
@@ -406,7 +438,7 @@ def fused_chunk_bwd_combine_kernel(
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HK)
-    KGATE: tl.constexpr = (G_MODE > 0) or USE_GK
+    KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
     bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     n = eos - bos
     nc = tl.cdiv(n, BT)
@@ -415,6 +447,7 @@ def fused_chunk_bwd_combine_kernel(
     o_v = tl.arange(0, BV)
     mask_k, mask_v = o_k < K, o_v < V
     carry = _carry_in(dfa, i_nh, o_k, mask_k, K, USE_DHT and KGATE)
+    gsum = 0.
     for i in range(0, nc):
         p = (nc - 1 - i) * BT + o_t  # processing positions of the chunk
         row0, pos, mask_t = block_pos(bos, eos, (nc - 1 - i) * BT, BT, REVERSE)
@@ -425,8 +458,11 @@ def fused_chunk_bwd_combine_kernel(
                      1) * scale
         b_dq = load_tile(dq_prime, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
         b_dk = load_tile(dk_prime, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
-        carry = _finish(b_q, b_k, b_dq, b_dk, vdo, carry, p, n, row0, pos, mask_t, i_h, o_k,
-                        mask_k, dq, dk, da, dg_head, H, K, G_MODE, USE_GK, USE_H0)
+        carry, gsum = _finish(b_q, b_k, b_dq, b_dk, vdo, carry, gsum, p, n, row0, pos, mask_t,
+                              i_h, o_k, mask_k, dq, dk, da, dg_head, H, K, G_MODE, USE_GK,
+                              GAMMA_MODE, USE_H0)
+    if GAMMA_MODE > 0:
+        tl.store(dgamma + i_nh, gsum)
 
 
 # ---------------------------------------------------------------- launch plan
@@ -439,14 +475,20 @@ COMBINE_BT = 32
 
 def supported(plan) -> bool:
     """Whether these kernels take the plan: not opted out (GLA_BRIDGE_FUSED_CHUNK_BWD=chunk
-    keeps the chunk family's list), no value gate gv and no constant decay g_gamma (their
-    gradients are not written here), and shapes whose builds have no register spills on
-    sm_80 and sm_90 (`config`): K, V <= 128 in 16 bits (<= 64 with both g and gk, whose
-    decays the dv walk splits into 3 pieces), <= 64 in fp32 (FMA products)."""
+    keeps the chunk family's list), no value gate gv (its gradient is not written here),
+    and shapes whose builds have no register spills on sm_80 and sm_90 (`config`): K, V <=
+    128 in 16 bits (<= 64 with both g and gk, whose decays the dv walk splits into 3
+    pieces), <= 64 in fp32 (FMA products); g_gamma (decays in 3 pieces, its gradient's
+    state products in 2) alone only on sm_90 (`tuning.wgmma`: operands from shared
+    memory), in bf16 at K, V <= 128 and in fp16 at K, V <= 64."""
     if os.environ.get("GLA_BRIDGE_FUSED_CHUNK_BWD", "onchip") == "chunk":
         return False
-    if plan.gv or plan.g_gamma != "none":
+    if plan.gv:
         return False
+    if plan.g_gamma != "none":
+        lim = {"bfloat16": 128, "float16": 64}.get(plan.dtype, 0)
+        return (plan.g == "none" and not plan.gk and tuning.wgmma()
+                and max(plan.K, plan.V) <= lim)
     wide = plan.dtype in ("bfloat16", "float16") and not (plan.g != "none" and plan.gk)
     return max(plan.K, plan.V) <= (128 if wide else 64)
 
@@ -479,8 +521,9 @@ def config(plan) -> dict:
     since the pipeliner takes no loop that holds a loop; at 2 the next chunk's loads issue
     at the end of the body, so each run starts waiting on them; at 1 each chunk's loads
     wait on the shared memory its previous products used), 3 for bf16 on sm_90 but the
-    dv walk's with a head gate (48 B spilled in its loop at K = V = 128), and for fp16's
-    dq and dk walks there but the dk walk's with per-key decays past 96 keys (8 B spilled at
+    dv walk's with decays the same for every key (48 B spilled in its loop at K = V = 128
+    with a head gate), and for fp16's dq and dk walks there but the dk walk's with per-key
+    decays past 96 keys (8 B spilled at
     K = 128 under triton 3.6; fp16's dv walk is faster unpipelined, its runtime level loop
     shorter than the unrolled one; the dv walk on sm_80's tiles spilled 15.9 KB: sweep
     candidates elsewhere), else 1."""
@@ -495,9 +538,10 @@ def config(plan) -> dict:
     # keys (8 B spilled at K = 128 under triton 3.6)
     fp16 = whole and plan.dtype == "float16"
     keyed = plan.g == "key" or plan.gk  # per-key decays (fused_chunk.config's name)
+    shared = key_gated(plan) and not keyed  # decays the same for every key
     stages = dict(bwd_dq=3 if bf16 or fp16 else 1,
                   bwd_dk=3 if bf16 or (fp16 and not (keyed and plan.K > 96)) else 1,
-                  bwd_dv=3 if bf16 and plan.g != "head" else 1)
+                  bwd_dv=3 if bf16 and not shared else 1)
     knobs = {site: tuning.pick(plan, "fused_chunk", site,
                                dict(num_warps=warps, BT=BT, stages=stages[site]))
              for site in ("bwd_dq", "bwd_dk")}
@@ -508,11 +552,12 @@ def config(plan) -> dict:
                                        stages=stages["bwd_dv"]))
     SV = min(knobs["bwd_dv"]["SV"], BV)
     SK = min(64 if wide else 16, BK)
+    summed = plan.g == "head" or plan.g_gamma != "none"  # gradients summed over K
     with_dk = bool(knobs["bwd_dv"]["with_dk"]) and SV >= BV
     return dict(BK=BK, BV=BV, SK=SK, SV=SV,
                 warps={site: k["num_warps"] for site, k in knobs.items()},
                 chunks={site: k["BT"] for site, k in knobs.items()},
-                with_dk=with_dk, fold=plan.g != "head" or with_dk or SK >= plan.K,
+                with_dk=with_dk, fold=not summed or with_dk or SK >= plan.K,
                 stages={site: k["stages"] for site, k in knobs.items()})
 
 
@@ -534,7 +579,7 @@ def launches(plan, use_dht: bool) -> list:
     gates = present(plan, "g", "gk", "g_gamma")
     cu = varlen_input(plan)
     dht = "dfinal_state" if use_dht else None
-    final_a = use_dht and (plan.g != "none" or plan.gk)
+    final_a = use_dht and key_gated(plan)
     own = plan.group == 1
     isz = ITEMSIZE[plan.dtype]
     tokens = B * T
@@ -557,7 +602,8 @@ def launches(plan, use_dht: bool) -> list:
                   dk=Out("dk_h", (B, T, H, K), "like:k" if own else "float32"),
                   da=Out("da", (B, T, H, K), "like:g" if plan.g == "key" else "like:gk")
                   if plan.g == "key" or plan.gk else None,
-                  dg_head=Out("dg_head", (B, T, H)) if plan.g == "head" else None)
+                  dg_head=Out("dg_head", (B, T, H)) if plan.g == "head" else None,
+                  dgamma=Out("dgamma", (N, H)) if plan.g_gamma != "none" else None)
     finals_bytes = tokens * H * (K * (2 * isz if own else isz + 4)
                                  + (K * isz if plan.g == "key" or plan.gk else 0)
                                  + (4 if plan.g == "head" else 0))
@@ -569,7 +615,7 @@ def launches(plan, use_dht: bool) -> list:
     else:
         dk_walk = dict(outputs=dict(dk=Out("dk_prime", (B, T, H, K))),
                        inputs=dict.fromkeys(("dq_prime", "dfa")), bytes=f32)
-    no_dk = dict(dk=None, dq=None, da=None, dg_head=None)  # the dv walk without dk'
+    no_dk = dict.fromkeys(("dk", "dq", "da", "dg_head", "dgamma"))  # the dv walk without dk'
     no_dk_in = dict.fromkeys(dk_walk["inputs"])
     return [
         Launch(fused_chunk_bwd_dq_kernel, grid=(nk * N * H,),
@@ -617,7 +663,8 @@ def launches(plan, use_dht: bool) -> list:
             outputs=finals,
             constexprs=dict(H=fl["H"], HK=fl["HK"], K=K, V=V, BT=COMBINE_BT, BK=c["BK"],
                             BV=c["BV"], G_MODE=fl["G_MODE"], USE_GK=fl["USE_GK"],
-                            USE_H0=plan.initial_state, USE_DHT=use_dht,
+                            GAMMA_MODE=fl["GAMMA_MODE"], USE_H0=plan.initial_state,
+                            USE_DHT=use_dht,
                             IS_VARLEN=plan.varlen, REVERSE=plan.reverse),
             num_warps=8, bytes=int(qkvdo + 2 * f32 + finals_bytes))]),
     ]
