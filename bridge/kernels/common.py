@@ -301,11 +301,14 @@ def op_dot(x, y, acc, OP: tl.constexpr, DOT_PREC: tl.constexpr, TRANS: tl.conste
 
 @triton.jit
 def split_dot(w, y, acc, OP: tl.constexpr, DOT_PREC: tl.constexpr, WIDE: tl.constexpr = False):
-    """acc + w @ y (op_dot) for a computed fp32 y [D, N]: y in two pieces of the 16-bit
-    dtype OP, y's rounding to OP and what that rounding lost (16 bits of mantissa: both
-    sides of a pair round alike for the gate gradient, chunk_bwd.py), one piece for fp32
-    and fp64 OP; WIDE (a y past fp16's range, a state): for fp16 OP the pieces at tf32,
-    fp16's precision with fp32's range, as op_dot takes them. acc: fp32 [M, N] or None."""
+    """acc + w @ y (op_dot) for a y [D, N] computed in fp32 (or loaded in another dtype):
+    y in two pieces of the 16-bit dtype OP, y's rounding to OP and what that rounding lost
+    (16 bits of mantissa: both sides of a pair round alike for the gate gradient,
+    chunk_bwd.py), one piece for fp32 and fp64 OP or a y in OP; WIDE (a y past fp16's
+    range, a state): for fp16 OP the pieces at tf32, fp16's precision with fp32's range, as
+    op_dot takes them. acc: fp32 [M, N] or None."""
+    if y.dtype == OP:  # exact in OP: what a rounding to OP loses is 0
+        return op_dot(w, y, acc, OP, DOT_PREC)
     if WIDE and (OP == tl.float16):
         y0 = _tf32_near(y)
         p = op_dot(w, y - y0, acc, OP, DOT_PREC)
@@ -315,6 +318,19 @@ def split_dot(w, y, acc, OP: tl.constexpr, DOT_PREC: tl.constexpr, WIDE: tl.cons
         return op_dot(w, y0, acc, OP, DOT_PREC)
     p = op_dot(w, (y - y0.to(tl.float32)).to(OP), acc, OP, DOT_PREC)
     return op_dot(w, y0, p, OP, DOT_PREC)
+
+
+@triton.jit
+def split_dot_t(x, y, acc, OP: tl.constexpr, DOT_PREC: tl.constexpr, SPLIT: tl.constexpr):
+    """acc + x^T @ y, fp32 [D, N], for x [M, D] (fp32, or any float dtype) and y [M, N] in
+    the operand dtype OP: x rounded to OP, and with SPLIT also what that rounding lost
+    (split_dot's two pieces, the split operand on the left), both as OP operands (for
+    fp16 only an x within its range: a key or query gated by decays <= 1). acc: fp32."""
+    x0 = x.to(OP)
+    if SPLIT:
+        acc = tl.dot(tl.trans((x.to(tl.float32) - x0.to(tl.float32)).to(OP)), y, acc,
+                     input_precision=DOT_PREC)
+    return tl.dot(tl.trans(x0), y, acc, input_precision=DOT_PREC)
 
 
 @triton.jit
@@ -449,6 +465,16 @@ def pair_sums(o_t, a, DT: tl.constexpr, TRANS: tl.constexpr = False):
     else:
         n = tl.where(o_t[:, None] > o_t[None, :], a[:, None], 0.).to(DT)
         return seg_sums(seg_matrix(o_t, 2 * BT, DT), n, DT)
+
+
+@triton.jit
+def pair_decays(o_t, DT: tl.constexpr, g, gamma, row0, pos, mask_t, i_h, H: tl.constexpr,
+                K: tl.constexpr, G_MODE: tl.constexpr, GAMMA_MODE: tl.constexpr,
+                TRANS: tl.constexpr = False):
+    """[BT, BT] fp32: at (t, s) the decay from s to t of a block_pos tile whose decays are
+    the same for every key (row_decays), e^(pair_sums), 1 for s >= t; TRANS: at (s, t)."""
+    return exp_(pair_sums(o_t, row_decays(DT, g, gamma, row0, pos, mask_t, i_h, H, K, G_MODE,
+                                          GAMMA_MODE), DT, TRANS))
 
 
 @triton.jit

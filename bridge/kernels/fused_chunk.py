@@ -62,8 +62,8 @@ from . import chunk, fused_chunk_bwd
 from . import fused_chunk_split as split
 from .common import (block_pos, check_k, decay_k_in, exact_dtype, exp_, flags, gate_inputs,
                      head_gamma, key_gated, level_mask, load_tile, next_pow2, op_dtype,
-                     pair_sums, row_decays, seg_matrix, seg_sums, seq_bounds, start_sums,
-                     op_dot, tile_ptrs, varlen_input, wide_dtype)
+                     pair_decays, seg_matrix, seg_sums, seq_bounds, start_sums, op_dot,
+                     tile_ptrs, varlen_input, wide_dtype)
 
 BT = 32
 # The launch sites the device table (bridge/tuning.py) may tune, with the candidate values
@@ -219,8 +219,8 @@ def _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, k0, nki, H: 
         if PAIRS:  # the same decay for every key: each pair's from one [BT, BT] sum
             DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE,
                                            USE_GK, GAMMA_MODE)
-            a = row_decays(DT, g, gamma, row0, pos, mask_t, i_h, H, K, G_MODE, GAMMA_MODE)
-            acc *= exp_(pair_sums(o_t, a, DT))
+            acc *= pair_decays(o_t, DT, g, gamma, row0, pos, mask_t, i_h, H, K, G_MODE,
+                               GAMMA_MODE)
         acc = tl.where(o_t[:, None] >= o_t[None, :], acc, 0.)
     return acc * scale
 

@@ -36,7 +36,8 @@ split K (dq, dk) or V (dv) into blocks so that no gradient is a partial sum over
 g_gamma's gradient dgamma [N,H] is the head gate's summed over the sequence's steps (the
 same decay at every step and key), a sum over the whole walk whose terms cancel: there
 the dq and dk walks take S and dh as dot operands, and the gated k and q that update
-them, in two pieces (common.split_dot), so that 16-bit roundings do not shift it.
+them, in two pieces (common.split_dot, split_dot_t), so that 16-bit roundings do not
+shift it.
 
 Not here (the chunk family's list runs instead, fused_chunk.backward_launches): the value
 gate gv (its gradient needs o' do and value levels), g_gamma but alone on sm_90, and the
@@ -57,9 +58,9 @@ from ..contract import ITEMSIZE
 from ..launch import Launch, Out
 from . import chunk
 from .common import (block_pos, decay_k_in, exact_dtype, exp_, flags, head_gamma, key_gated,
-                     level_mask, load_tile, next_pow2, op_dtype, pair_sums, present, row_decays,
-                     seg_matrix, seg_sums, seq_bounds, op_dot, split_dot, start_sums,
-                     tile_ptrs, varlen_input, wide_dtype)
+                     level_mask, load_tile, next_pow2, op_dtype, pair_decays, present,
+                     seg_matrix, seg_sums, seq_bounds, op_dot, split_dot, split_dot_t,
+                     start_sums, tile_ptrs, varlen_input, wide_dtype)
 
 
 @triton.jit
@@ -159,8 +160,8 @@ def fused_chunk_bwd_dq_kernel(
             acc *= _factor(a, o_t, 2 * BT, DT)
         d_a = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
         if KGATE and not PER_KEY:  # each pair's decay from one [BT, BT] sum, no levels
-            e = exp_(pair_sums(o_t, row_decays(DT, g, gamma, row0, pos, mask_t, i_h, H, K,
-                                               G_MODE, GAMMA_MODE), DT))
+            e = pair_decays(o_t, DT, g, gamma, row0, pos, mask_t, i_h, H, K, G_MODE,
+                            GAMMA_MODE)
             acc = op_dot(tl.where(o_t[:, None] > o_t[None, :], d_a * e, 0.).to(wide_dtype(op)),
                          b_k, acc, op, DOT_PREC)
         elif KGATE and STAGES > 1:  # the pipeliner takes no loop that holds a loop
@@ -172,22 +173,18 @@ def fused_chunk_bwd_dq_kernel(
                 acc = _pairs_level(acc, a, o_t, (BT // 2) >> lvl, d_a, b_k, 1., True, op, DT,
                                    DOT_PREC)
         else:
-            acc += split_dot(tl.where(o_t[:, None] > o_t[None, :], d_a, 0.).to(wide_dtype(op)),
-                             b_k.to(tl.float32), None, op, DOT_PREC)
+            acc = split_dot(tl.where(o_t[:, None] > o_t[None, :], d_a, 0.).to(wide_dtype(op)),
+                            b_k, acc, op, DOT_PREC)
         tl.store(tile_ptrs(dq, row0, pos, i_h, o_k, H, K), acc * scale,
                  mask=mask_t[:, None] & mask_k[None, :])
         if FINAL_A:  # S~_T: the last token's k v stays out of the last update
             b_k = tl.where((c * BT + o_t == n - 1)[:, None], 0., b_k)
         if KGATE:  # gated to the chunk's end
-            b_kf = b_k.to(tl.float32) * _factor(a, o_t, BT, DT)
-            b_k = b_kf.to(op)
+            b_k = b_k.to(tl.float32) * _factor(a, o_t, BT, DT)
             if not START:
                 s_c = tl.sum(a.to(tl.float32), 0)
             b_s *= exp_(s_c)[:, None]
-            if PRECISE:  # what rounding k lost
-                b_s = tl.dot(tl.trans((b_kf - b_k.to(tl.float32)).to(op)), b_v, b_s,
-                             input_precision=DOT_PREC)
-        b_s = tl.dot(tl.trans(b_k.to(op)), b_v, b_s, input_precision=DOT_PREC)
+        b_s = split_dot_t(b_k, b_v, b_s, op, DOT_PREC, PRECISE)  # PRECISE: what k's lost
     if FINAL_A:
         b_dht = tl.load(dht + base + p_kv, mask=mask_k[:, None] & mask_v[None, :], other=0.)
         tl.store(dfa + i_nh * K + o_k, tl.where(n > 0, tl.sum(b_dht * b_s, 1), 0.),
@@ -307,8 +304,8 @@ def fused_chunk_bwd_dkv_kernel(
             acc_v += diag[:, None] * b_do.to(tl.float32)
         if KGATE and not PER_KEY:  # each pair's decay from one [BT, BT] sum, no levels
             later = o_t[:, None] < o_t[None, :]
-            e_t = exp_(pair_sums(o_t, row_decays(DT, g, gamma, row0, pos, mask_t, i_h, H, K,
-                                                 G_MODE, GAMMA_MODE), DT, True))
+            e_t = pair_decays(o_t, DT, g, gamma, row0, pos, mask_t, i_h, H, K, G_MODE,
+                              GAMMA_MODE, True)
             if DK:
                 # scaled after the product, as dq' (the pair's two sides round alike)
                 acc_k += op_dot(tl.where(later, d_at * e_t, 0.).to(wide_dtype(op)), b_q, None,
@@ -333,8 +330,8 @@ def fused_chunk_bwd_dkv_kernel(
         else:
             later = o_t[:, None] < o_t[None, :]
             if DK:
-                acc_k += split_dot(tl.where(later, d_at, 0.).to(wide_dtype(op)),
-                                   b_q.to(tl.float32), None, op, DOT_PREC) * scale
+                acc_k += split_dot(tl.where(later, d_at, 0.).to(wide_dtype(op)), b_q, None, op,
+                                   DOT_PREC) * scale
             if DV:
                 a_t = tl.dot(b_k.to(op), tl.trans(b_q.to(op)), input_precision=DOT_PREC)
                 acc_v += op_dot(tl.where(later, a_t * scale, 0.).to(wide_dtype(op)), b_do,
@@ -362,10 +359,7 @@ def fused_chunk_bwd_dkv_kernel(
                 b_qs *= _factor(a, o_t, 2 * BT, DT)
                 s_c = tl.sum(a.to(tl.float32), 0)
             b_dh *= exp_(s_c)[:, None]
-            if PRECISE:  # what rounding q lost
-                b_dh = tl.dot(tl.trans((b_qs - b_qs.to(op).to(tl.float32)).to(op)), b_do, b_dh,
-                              input_precision=DOT_PREC)
-        b_dh = tl.dot(tl.trans(b_qs.to(op)), b_do, b_dh, input_precision=DOT_PREC)
+        b_dh = split_dot_t(b_qs, b_do, b_dh, op, DOT_PREC, PRECISE)  # PRECISE: what q's lost
     if DV and USE_H0:
         tl.store(dh0 + base + p_kv, b_dh, mask=mask_k[:, None] & mask_v[None, :])
     if FOLD and GAMMA_MODE > 0:
