@@ -376,10 +376,10 @@ def test_fused_chunk_16bit_plans_build_without_spills_on_sm90(tmp_path):
     registers <= 255 at 128 threads) but with per-key or no decays, there all of V at
     8 warps, and so fp16's forward (with per-key decays on 16-token chunks at V = 128),
     with decays the same for every key (a head gate, g_gamma) on 32-wide V blocks;
-    the dq and dk walks at 4 warps on 16-token chunks, the dv walk on all of
-    V at 8 on 32-token chunks. The bf16 forward with per-key decays at K = V = 128 spills
-    only the bytes `_POST_LOOP_FWD_SPILLS` allows (outside its loop: the 16-bit forward
-    test checks)."""
+    the dq and dk walks at 4 warps on 16-token chunks (8 for fp16's g_gamma at 128), the
+    dv walk on all of V at 8 on 32-token chunks. The bf16 forward with per-key decays at
+    K = V = 128 spills only the bytes `_POST_LOOP_FWD_SPILLS` allows (outside its loop:
+    the 16-bit forward test checks)."""
     got = _compiled_json(tmp_path, _FUSED_CHUNK_16, timeout=1800)
     assert len({(d, g, kv) for d, g, kv, *_ in got}) == 18
     spilled = [row for row in got if row[-1] != 0 and not (
@@ -397,12 +397,52 @@ def test_fused_chunk_16bit_plans_build_without_spills_on_sm90(tmp_path):
                if d == "fp16" and g in ("key", "none") and name == "fused_chunk_fwd_kernel"}
     assert whole16 == {("key", 64): (8, 64, 32), ("none", 64): (8, 64, 32),
                        ("key", 128): (8, 128, 16), ("none", 128): (8, 128, 32)}
+    wide_gamma16 = lambda d, g, kv: d == "fp16" and g == "gamma" and kv > 64  # noqa: E731
     walks = {(name, w, bv if name.endswith(".dv") else None, bt)
              for d, g, kv, name, w, bv, bt, *_ in got
-             if name.startswith("fused_chunk_bwd_") and "combine" not in name}
-    dkv = "fused_chunk_bwd_dkv_kernel"
-    assert walks == {("fused_chunk_bwd_dq_kernel", 4, None, 16), (dkv, 4, None, 16),
-                     (dkv + ".dv", 8, 64, 32), (dkv + ".dv", 8, 128, 32)}
+             if name.startswith("fused_chunk_bwd_") and "combine" not in name
+             and not (wide_gamma16(d, g, kv) and not name.endswith(".dv"))}
+    dq, dkv = "fused_chunk_bwd_dq_kernel", "fused_chunk_bwd_dkv_kernel"
+    assert walks == {(dq, 4, None, 16), (dkv, 4, None, 16), (dkv + ".dv", 8, 64, 32),
+                     (dkv + ".dv", 8, 128, 32)}
+    gamma16 = {(name, w, bt) for d, g, kv, name, w, bv, bt, *_ in got
+               if wide_gamma16(d, g, kv) and name in (dq, dkv)}
+    assert gamma16 == {(dq, 8, 16), (dkv, 8, 16)}  # 4 warps spilled
+
+
+# The dv walk on sm_90 (all of V, 8 warps) with keys short of their power-of-two block:
+# 32-token chunks where the keys come in whole 16-column pieces and V <= K, else 16
+# (fused_chunk_bwd.config)
+_DV_MASKED_KEYS = '''
+import json
+from parity.compiled import build, report
+from bridge.kernels import fused_chunk_bwd
+
+out = []
+with build.for_arch(90):
+    for dtype, gates in (("bf16", "key"), ("bf16", "gamma"), ("fp16", "gamma"), ("bf16", "head")):
+        for K, V in ((68, 68), (98, 98), (100, 80), (96, 128), (96, 96)):
+            plan = report.report_plan((1, 64, 2, K, V), dtype, gates)
+            launch = [x for x in fused_chunk_bwd.launches(plan, True) if x.constexprs.get("DV")][0]
+            r = build.compile_launch(launch, plan, 90,
+                                     dtypes=build.tensor_dtypes(plan, [[launch]]))
+            out.append([dtype, gates, K, V, launch.constexprs["BT"], r["spill_bytes"]])
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.matrix
+def test_fused_chunk_dv_walk_with_masked_keys_builds_without_spills_on_sm90(tmp_path):
+    """fused_chunk's dv walk on sm_90 with K short of its power-of-two block (68, 96, 98,
+    100) beside V = K, fewer and more values, bf16 and fp16, per-key and per-head decays:
+    no spills; on 32-token chunks only where the keys fill whole 16-column pieces and V <=
+    K (elsewhere 32-token chunks spilled 8-104 B in the loop under triton 3.6.0 or
+    3.7.1)."""
+    got = _compiled_json(tmp_path, _DV_MASKED_KEYS, timeout=900)
+    assert len(got) == 20
+    assert [row for row in got if row[-1]] == []
+    assert {(K, V): bt for d, g, K, V, bt, _ in got} == {
+        (68, 68): 16, (98, 98): 16, (100, 80): 16, (96, 128): 16, (96, 96): 32}
 
 
 _FUSED_CHUNK_16_FWD = '''

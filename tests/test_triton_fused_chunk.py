@@ -259,7 +259,7 @@ def test_backward_choice(monkeypatch):
 def test_backward_rule():
     """Which plans the on-chip walks take (fused_chunk_bwd.supported): those whose builds
     have no spills; no gv; g_gamma alone on sm_90 (faked: tuning.wgmma) in bf16 up to
-    K = V = 128 and in fp16 up to 64."""
+    K = V = 128 and in fp16 too (past 64 its dq and dk walks at 8 warps)."""
     def plan(K, V, dtype="bfloat16", **gates):
         return contract.Plan(B=1, T=64, H=2, Hk=2, K=K, V=V, N=1, g=gates.get("g", "none"),
                              gk=gates.get("gk", False), gv=gates.get("gv", False),
@@ -278,7 +278,14 @@ def test_backward_rule():
     with tuning.on_device("9.0 Fake GPU"):
         assert fused_chunk_bwd.supported(plan(128, 128, g_gamma="head"))
         assert fused_chunk_bwd.supported(plan(64, 64, "float16", g_gamma="seq"))
-        assert not fused_chunk_bwd.supported(plan(96, 96, "float16", g_gamma="head"))
+        assert fused_chunk_bwd.supported(plan(128, 128, "float16", g_gamma="head"))
+        assert not fused_chunk_bwd.supported(plan(128, 256, "float16", g_gamma="head"))
+        # fp16's dq and dk walks with g_gamma past 64 keys or values at 8 warps (4 spilled)
+        warps = {(K, V): fused_chunk_bwd.config(plan(K, V, "float16", g_gamma="head"))["warps"]
+                 for K, V in ((64, 64), (64, 128), (128, 64), (96, 96))}
+        assert {kv: (w["bwd_dq"], w["bwd_dk"]) for kv, w in warps.items()} == {
+            (64, 64): (4, 4), (64, 128): (8, 8), (128, 64): (8, 8), (96, 96): (8, 8)}
+        assert fused_chunk_bwd.config(plan(128, 128, g_gamma="head"))["warps"]["bwd_dq"] == 4
         assert not fused_chunk_bwd.supported(plan(64, 64, g="head", g_gamma="head"))
         assert not fused_chunk_bwd.supported(plan(32, 32, "float32", g_gamma="head"))
 
@@ -286,6 +293,8 @@ def test_backward_rule():
 # g_gamma's on-chip walks (sm_90 only, faked): its gradient a sum over every step, both
 # forms, the fold (K <= 64) and the combine (K = 96: two K blocks of 64), varlen with an
 # empty and a one-token sequence, reversed, with an initial state and without
+WALKS = {"fused_chunk_bwd_dq_kernel", "fused_chunk_bwd_dkv_kernel",
+         "fused_chunk_bwd_combine_kernel"}
 GAMMA_CASES = [C("gamma-fold", T=70, H=2, Hk=1, K=64, V=40, g_gamma="head", initial_state=True),
                C("gamma-combine-seq", T=70, H=2, Hk=2, K=96, V=100, g_gamma="seq",
                  initial_state=True),
@@ -298,12 +307,13 @@ GAMMA_CASES = [C("gamma-fold", T=70, H=2, Hk=1, K=64, V=40, g_gamma="head", init
 def test_gamma_walks(case, dtype):
     """g_gamma through the walks (no chunk-family launch in the backward), forward and
     every gradient within the dtype's tolerance of the float64 oracle; fp16 past K = 64
-    keeps the chunk family's list."""
+    (or V) with the dq and dk walks at 8 warps."""
     with tuning.on_device("9.0 Fake GPU"):
         plan = cases.launch_env(case, backends.prepared(case, dtype, 0), dtype)[0]
-        names = {x.kernel.__name__ for x in fused_chunk.backward_launches(plan, True)}
-        walks = dtype == "bfloat16" or case.K <= 64
-        assert ("fused_chunk_bwd_dq_kernel" in names) == walks, names
+        launches = fused_chunk.backward_launches(plan, True)
+        assert {x.kernel.__name__ for x in launches} <= WALKS, launches
+        wide16 = dtype == "float16" and max(case.K, case.V) > 64
+        assert launches[0].num_warps == (8 if wide16 else 4)
         assert_close(run_case(case, dtype, backward=True), dtype)
 
 
@@ -362,9 +372,9 @@ def test_sm90_tiles_bf16(case):
     """On a device of capability 9.x (faked; no SM count, so no split) the bf16 forward
     with per-key decays takes all of V in one block (BV 128, 8 warps, key blocks of 128,
     its chunk loop pipelined: key blocks and levels unrolled), the dv walk all of V (SV
-    128, 8 warps) on 32-token chunks, the dq and dk walks pipelined (level loops
-    unrolled), where the CPU's plan takes V blocks of 64 and 32, 16-token chunks and
-    runtime loops: forward and every
+    128, 8 warps) on 32-token chunks (16 with K = 96 < V), the dq and dk walks pipelined
+    (level loops unrolled), where the CPU's plan takes V blocks of 64 and 32, 16-token
+    chunks and runtime loops: forward and every
     gradient within bf16's tolerance of the oracle, across several chunks, with K = 96 and
     V = 100 padded (masked key and value columns), reversed, and varlen with an empty and
     a one-token sequence under a head gate."""
@@ -379,8 +389,14 @@ def test_sm90_tiles_bf16(case):
     assert wide[0] == dict(BK=128, BKI=128, BV=128, NV=1, num_warps=8, stages=3, BT=32)
     assert narrow[0]["stages"] == 1
     assert wide[1]["SV"] == 128 and wide[1]["warps"]["bwd_dv"] == 8
-    assert wide[1]["chunks"] == dict(bwd_dq=16, bwd_dk=16, bwd_dv=32)
+    # the dv walk on 16-token chunks: K = 96 masked in its block of 128 beside V > K (on 32
+    # it spilled), 32 with V <= K
+    assert wide[1]["chunks"] == dict(bwd_dq=16, bwd_dk=16, bwd_dv=16)
     assert narrow[1]["chunks"] == dict(bwd_dq=16, bwd_dk=16, bwd_dv=16)
+    square = contract.check(bf16[0], bf16[1], bf16[1],
+                            g=torch.zeros(1, 1, 2, 96, dtype=torch.bfloat16))
+    with tuning.on_device("9.0 Fake GPU"):
+        assert fused_chunk_bwd.config(square)["chunks"]["bwd_dv"] == 32
     # the walks pipelined (level loops unrolled) on sm_90 in bf16, the dv walk's but with a
     # head gate (fp16's below)
     assert (wide[1]["stages"], narrow[1]["stages"]) == (dict(bwd_dq=3, bwd_dk=3, bwd_dv=3),

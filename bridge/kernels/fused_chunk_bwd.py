@@ -474,15 +474,15 @@ def supported(plan) -> bool:
     128 in 16 bits (<= 64 with both g and gk, whose decays the dv walk splits into 3
     pieces), <= 64 in fp32 (FMA products); g_gamma (decays in 3 pieces, its gradient's
     state products in 2) alone only on sm_90 (`tuning.wgmma`: operands from shared
-    memory), in bf16 at K, V <= 128 and in fp16 at K, V <= 64."""
+    memory), in 16 bits at K, V <= 128 (fp16's dq and dk walks past 64 at 8 warps,
+    `config`)."""
     if os.environ.get("GLA_BRIDGE_FUSED_CHUNK_BWD", "onchip") == "chunk":
         return False
     if plan.gv:
         return False
     if plan.g_gamma != "none":
-        lim = {"bfloat16": 128, "float16": 64}.get(plan.dtype, 0)
         return (plan.g == "none" and not plan.gk and tuning.wgmma()
-                and max(plan.K, plan.V) <= lim)
+                and plan.dtype in ("bfloat16", "float16") and max(plan.K, plan.V) <= 128)
     wide = plan.dtype in ("bfloat16", "float16") and not (plan.g != "none" and plan.gk)
     return max(plan.K, plan.V) <= (128 if wide else 64)
 
@@ -503,8 +503,10 @@ def config(plan) -> dict:
     fewer warps than at 8), 8 in fp32 (4 spilled); chunks: each walk's chunk length, BT;
     on sm_90 (tuning.wgmma), 16 bits: the dv walk on all of V at 8 warps on 32-token
     chunks (A's levels once a head instead of once a V block, half the serial steps;
-    spilled on sm_80; the dq and dk walks on 32-token chunks spilled at 4 warps on sm_90,
-    in fp16 and under triton 3.6, and ran two waves at 8); with_dk: the dv walk also
+    spilled on sm_80; 16 where its keys are masked, K short of BK, and not in whole
+    16-column pieces or fewer than the values: there 32 spilled 8-104 B in its loop;
+    the dq and dk walks on 32-token chunks spilled at 4 warps on sm_90, in fp16 and
+    under triton 3.6, and ran two waves at 8); with_dk: the dv walk also
     writes dk' where it has all of V (one reverse walk instead of two; off by default:
     at K = V = 128 it spilled without gates under triton 3.6 and in fp16, a sweep
     candidate); each walk's the device table's entry where it has one (`SITES`); fold:
@@ -520,7 +522,8 @@ def config(plan) -> dict:
     decays past 96 keys (8 B spilled at
     K = 128 under triton 3.6; fp16's dv walk is faster unpipelined, its runtime level loop
     shorter than the unrolled one; the dv walk on sm_80's tiles spilled 15.9 KB: sweep
-    candidates elsewhere), else 1."""
+    candidates elsewhere), else 1; fp16 with g_gamma past 64 keys or values: the dq and
+    dk walks at 8 warps (at 4 their states in tf32 pieces spilled 256-312 B)."""
     BK, BV = max(16, next_pow2(plan.K)), max(16, next_pow2(plan.V))
     wide = plan.dtype in ("bfloat16", "float16")
     warps = 4 if wide else 8
@@ -536,13 +539,17 @@ def config(plan) -> dict:
     stages = dict(bwd_dq=3 if bf16 or fp16 else 1,
                   bwd_dk=3 if bf16 or (fp16 and not (keyed and plan.K > 96)) else 1,
                   bwd_dv=3 if bf16 and not shared else 1)
+    gamma16 = fp16 and plan.g_gamma != "none" and max(plan.K, plan.V) > 64
+    long_dv = plan.K == BK or (plan.K % 16 == 0 and plan.V <= plan.K)
     knobs = {site: tuning.pick(plan, "fused_chunk", site,
-                               dict(num_warps=warps, BT=BT, stages=stages[site]))
+                               dict(num_warps=8 if gamma16 else warps, BT=BT,
+                                    stages=stages[site]))
              for site in ("bwd_dq", "bwd_dk")}
     knobs["bwd_dv"] = tuning.pick(plan, "fused_chunk", "bwd_dv",
                                   dict(num_warps=8 if whole else warps,
                                        SV=BV if whole else 32 if wide else 16,
-                                       BT=32 if whole else BT, with_dk=False,
+                                       BT=32 if whole and long_dv else BT,
+                                       with_dk=False,
                                        stages=stages["bwd_dv"]))
     SV = min(knobs["bwd_dv"]["SV"], BV)
     SK = min(64 if wide else 16, BK)
