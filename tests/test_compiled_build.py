@@ -377,7 +377,8 @@ def test_fused_chunk_16bit_plans_build_without_spills_on_sm90(tmp_path):
     8 warps, and so fp16's forward (with per-key decays on 16-token chunks at V = 128),
     with decays the same for every key (a head gate, g_gamma) on 32-wide V blocks;
     the dq and dk walks at 4 warps on 16-token chunks (8 for fp16's g_gamma at 128), the
-    dv walk on all of V at 8 on 32-token chunks. The bf16 forward with per-key decays at
+    dv walk on all of V at 8 on 32-token chunks (16 in fp16 with key decays at 128). The
+    bf16 forward with per-key decays at
     K = V = 128 spills only the bytes `_POST_LOOP_FWD_SPILLS` allows (outside its loop:
     the 16-bit forward test checks)."""
     got = _compiled_json(tmp_path, _FUSED_CHUNK_16, timeout=1800)
@@ -404,15 +405,17 @@ def test_fused_chunk_16bit_plans_build_without_spills_on_sm90(tmp_path):
              and not (wide_gamma16(d, g, kv) and not name.endswith(".dv"))}
     dq, dkv = "fused_chunk_bwd_dq_kernel", "fused_chunk_bwd_dkv_kernel"
     assert walks == {(dq, 4, None, 16), (dkv, 4, None, 16), (dkv + ".dv", 8, 64, 32),
-                     (dkv + ".dv", 8, 128, 32)}
+                     (dkv + ".dv", 8, 128, 32), (dkv + ".dv", 8, 128, 16)}
+    dv16 = {(g, bt) for d, g, kv, name, w, bv, bt, *_ in got
+            if d == "fp16" and kv == 128 and name == dkv + ".dv"}
+    assert dv16 == {("key", 16), ("head", 16), ("gamma", 16), ("none", 32)}
     gamma16 = {(name, w, bt) for d, g, kv, name, w, bv, bt, *_ in got
                if wide_gamma16(d, g, kv) and name in (dq, dkv)}
     assert gamma16 == {(dq, 8, 16), (dkv, 8, 16)}  # 4 warps spilled
 
 
-# The dv walk on sm_90 (all of V, 8 warps) with keys short of their power-of-two block:
-# 32-token chunks where the keys come in whole 16-column pieces and V <= K, else 16
-# (fused_chunk_bwd.config)
+# The dv walk on sm_90 (all of V, 8 warps) with keys short of their power-of-two block, on
+# 32-token chunks (16 in fp16 with key decays past 64 keys: fused_chunk_bwd.config)
 _DV_MASKED_KEYS = '''
 import json
 from parity.compiled import build, report
@@ -435,14 +438,51 @@ print(json.dumps(out))
 def test_fused_chunk_dv_walk_with_masked_keys_builds_without_spills_on_sm90(tmp_path):
     """fused_chunk's dv walk on sm_90 with K short of its power-of-two block (68, 96, 98,
     100) beside V = K, fewer and more values, bf16 and fp16, per-key and per-head decays:
-    no spills; on 32-token chunks only where the keys fill whole 16-column pieces and V <=
-    K (elsewhere 32-token chunks spilled 8-104 B in the loop under triton 3.6.0 or
-    3.7.1)."""
+    no spills, bf16 on 32-token chunks (before its A came from the forward's construction,
+    intra.py, 32-token chunks spilled 8-104 B in the loop there under triton 3.6.0 or
+    3.7.1 where the keys were not in whole 16-column pieces or fewer than the values)."""
     got = _compiled_json(tmp_path, _DV_MASKED_KEYS, timeout=900)
     assert len(got) == 20
     assert [row for row in got if row[-1]] == []
-    assert {(K, V): bt for d, g, K, V, bt, _ in got} == {
-        (68, 68): 16, (98, 98): 16, (100, 80): 16, (96, 128): 16, (96, 96): 32}
+    assert {(d, bt) for d, g, K, V, bt, _ in got} == {("bf16", 32), ("fp16", 16)}
+
+
+# The dv walk on sm_80 (4 warps, 32-wide V blocks, 16-token chunks, unpipelined), its A
+# the forward's construction (intra.py)
+_DV_SM80 = '''
+import json
+from parity.compiled import build, report
+from bridge.kernels import fused_chunk_bwd
+
+out = []
+with build.for_arch(80):
+    for dtype in ("bf16", "fp16"):
+        for gates in ("key", "head", "none"):
+            for K, V in ((128, 128), (96, 96), (100, 100), (68, 68), (50, 50), (100, 64)):
+                plan = report.report_plan((1, 64, 2, K, V), dtype, gates)
+                launch = [x for x in fused_chunk_bwd.launches(plan, True)
+                          if x.constexprs.get("DV")][0]
+                r = build.compile_launch(launch, plan, 80,
+                                         dtypes=build.tensor_dtypes(plan, [[launch]]))
+                out.append([dtype, gates, K, V, launch.num_warps, launch.constexprs["BV"],
+                            launch.constexprs["BT"], launch.constexprs["STAGES"],
+                            r["spill_bytes"]])
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.matrix
+def test_fused_chunk_dv_walk_builds_without_spills_on_sm80(tmp_path):
+    """fused_chunk's dv walk on sm_80 (mma.sync: operands in registers) at 4 warps on
+    32-wide V blocks and 16-token chunks, bf16 and fp16, per-key, per-head and no decays,
+    K = V = 128 and 96, and head dims that are not powers of two (100, 68, 50; 100 x 64):
+    no spills (with A's levels built beside the state in its own loop it spilled 64-72 B
+    at K = V = 96 and 128 under triton 3.6.0, 72-160 B with a key gate where K is not a
+    multiple of 16)."""
+    got = _compiled_json(tmp_path, _DV_SM80, timeout=900)
+    assert len(got) == 36
+    assert [row for row in got if row[-1]] == []
+    assert {tuple(row[4:8]) for row in got} == {(4, 32, 16, 1)}
 
 
 _FUSED_CHUNK_16_FWD = '''

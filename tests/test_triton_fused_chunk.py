@@ -259,7 +259,8 @@ def test_backward_choice(monkeypatch):
 def test_backward_rule():
     """Which plans the on-chip walks take (fused_chunk_bwd.supported): those whose builds
     have no spills; no gv; g_gamma alone on sm_90 (faked: tuning.wgmma) in bf16 up to
-    K = V = 128 and in fp16 too (past 64 its dq and dk walks at 8 warps)."""
+    K = V = 128 and in fp16 too (past 64 its dq and dk walks at 8 warps); the warps of the
+    walks where 4 spilled."""
     def plan(K, V, dtype="bfloat16", **gates):
         return contract.Plan(B=1, T=64, H=2, Hk=2, K=K, V=V, N=1, g=gates.get("g", "none"),
                              gk=gates.get("gk", False), gv=gates.get("gv", False),
@@ -275,7 +276,17 @@ def test_backward_rule():
     assert fused_chunk_bwd.supported(plan(64, 64, "float32", gk=True))
     assert not fused_chunk_bwd.supported(plan(64, 64, gv=True))
     assert not fused_chunk_bwd.supported(plan(64, 64, g_gamma="head"))
+    # off sm_90 the dk walk that folds a head gate's gradient (K <= 64) at 8 warps (4
+    # spilled at K = 50)
+    head = {(K, dt): fused_chunk_bwd.config(plan(K, K, dt, g="head"))["warps"]
+            for K, dt in ((50, "bfloat16"), (64, "float16"), (128, "bfloat16"),
+                          (64, "float32"))}
+    assert {k: (w["bwd_dq"], w["bwd_dk"]) for k, w in head.items()} == {
+        (50, "bfloat16"): (4, 8), (64, "float16"): (4, 8), (128, "bfloat16"): (4, 4),
+        (64, "float32"): (8, 8)}
+    assert fused_chunk_bwd.config(plan(64, 64, g="key"))["warps"]["bwd_dk"] == 4
     with tuning.on_device("9.0 Fake GPU"):
+        assert fused_chunk_bwd.config(plan(64, 64, g="head"))["warps"]["bwd_dk"] == 4
         assert fused_chunk_bwd.supported(plan(128, 128, g_gamma="head"))
         assert fused_chunk_bwd.supported(plan(64, 64, "float16", g_gamma="seq"))
         assert fused_chunk_bwd.supported(plan(128, 128, "float16", g_gamma="head"))
@@ -372,10 +383,10 @@ def test_sm90_tiles_bf16(case):
     """On a device of capability 9.x (faked; no SM count, so no split) the bf16 forward
     with per-key decays takes all of V in one block (BV 128, 8 warps, key blocks of 128,
     its chunk loop pipelined: key blocks and levels unrolled), the dv walk all of V (SV
-    128, 8 warps) on 32-token chunks (16 with K = 96 < V), the dq and dk walks pipelined
-    (level loops unrolled), where the CPU's plan takes V blocks of 64 and 32, 16-token
-    chunks and runtime loops: forward and every
-    gradient within bf16's tolerance of the oracle, across several chunks, with K = 96 and
+    128, 8 warps) on 32-token chunks (in fp16 with key decays past 64 keys 16), every
+    walk pipelined (level loops unrolled), where the CPU's plan takes V blocks of 64 and
+    32, 16-token chunks and runtime loops: forward and every gradient within bf16's
+    tolerance of the oracle, across several chunks, with K = 96 and
     V = 100 padded (masked key and value columns), reversed, and varlen with an empty and
     a one-token sequence under a head gate."""
     bf16 = [torch.zeros(1, 1, h, d, dtype=torch.bfloat16) for h, d in ((2, 96), (1, 96),
@@ -389,28 +400,27 @@ def test_sm90_tiles_bf16(case):
     assert wide[0] == dict(BK=128, BKI=128, BV=128, NV=1, num_warps=8, stages=3, BT=32)
     assert narrow[0]["stages"] == 1
     assert wide[1]["SV"] == 128 and wide[1]["warps"]["bwd_dv"] == 8
-    # the dv walk on 16-token chunks: K = 96 masked in its block of 128 beside V > K (on 32
-    # it spilled), 32 with V <= K
-    assert wide[1]["chunks"] == dict(bwd_dq=16, bwd_dk=16, bwd_dv=16)
+    # the dv walk on 32-token chunks with K = 96 masked in its block of 128 beside V > K
+    assert wide[1]["chunks"] == dict(bwd_dq=16, bwd_dk=16, bwd_dv=32)
     assert narrow[1]["chunks"] == dict(bwd_dq=16, bwd_dk=16, bwd_dv=16)
-    square = contract.check(bf16[0], bf16[1], bf16[1],
-                            g=torch.zeros(1, 1, 2, 96, dtype=torch.bfloat16))
-    with tuning.on_device("9.0 Fake GPU"):
-        assert fused_chunk_bwd.config(square)["chunks"]["bwd_dv"] == 32
-    # the walks pipelined (level loops unrolled) on sm_90 in bf16, the dv walk's but with a
-    # head gate (fp16's below)
+    # the walks pipelined (level loops unrolled) on sm_90 in bf16, every gate (fp16's below)
     assert (wide[1]["stages"], narrow[1]["stages"]) == (dict(bwd_dq=3, bwd_dk=3, bwd_dv=3),
                                                       dict(bwd_dq=1, bwd_dk=1, bwd_dv=1))
-    # fp16: the dq and dk walks pipelined, the dk walk's not with per-key decays past 96
-    # keys; its dv walk never
+    # fp16: every walk pipelined but the dk walk with per-key decays past 96 keys; its dv
+    # walk on 16-token chunks with key decays past 64 keys (on 32 it spilled)
     with tuning.on_device("9.0 Fake GPU"):
-        assert fused_chunk_bwd.config(cases.launch_env(case, backends.prepared(
-            case, "float16", 0), "float16")[0])["stages"] == dict(bwd_dq=3, bwd_dk=3, bwd_dv=1)
+        c16 = fused_chunk_bwd.config(cases.launch_env(case, backends.prepared(
+            case, "float16", 0), "float16")[0])
+        assert c16["stages"] == dict(bwd_dq=3, bwd_dk=3, bwd_dv=3)
+        assert c16["chunks"]["bwd_dv"] == (16 if case.g != "none" and case.K > 64 else 32)
         fp16 = [torch.zeros(1, 1, 2, 128, dtype=torch.float16) for _ in range(3)]
         wide_k = contract.check(*fp16, g=torch.zeros(1, 1, 2, 128, dtype=torch.float16))
-        assert fused_chunk_bwd.config(wide_k)["stages"] == dict(bwd_dq=3, bwd_dk=1, bwd_dv=1)
+        assert fused_chunk_bwd.config(wide_k)["stages"] == dict(bwd_dq=3, bwd_dk=1, bwd_dv=3)
+        narrow_k = contract.check(*[x[..., :64] for x in fp16],
+                                  g=torch.zeros(1, 1, 2, 64, dtype=torch.float16))
+        assert fused_chunk_bwd.config(narrow_k)["chunks"]["bwd_dv"] == 32
         head = contract.check(*bf16, g=torch.zeros(1, 1, 2, dtype=torch.bfloat16))
-        assert fused_chunk_bwd.config(head)["stages"] == dict(bwd_dq=3, bwd_dk=3, bwd_dv=1)
+        assert fused_chunk_bwd.config(head)["stages"] == dict(bwd_dq=3, bwd_dk=3, bwd_dv=3)
         # decays the same for every key (sm90-varlen-head runs them): 32-wide V blocks,
         # 32-token chunks, the chunk loop pipelined at 4 warps, as sm_80's
         gamma = contract.check(*bf16, g_gamma=torch.zeros(2))
@@ -425,14 +435,17 @@ def test_sm90_tiles_bf16(case):
 def test_sm90_fp16_pipelined(case):
     """fp16 on a device of capability 9.x (faked): the forward on all of V with its chunk
     loop pipelined (key blocks and levels unrolled; 16-token chunks with per-key decays,
-    `fused_chunk.config`), the dq and dk walks pipelined (their level loops unrolled,
-    `fused_chunk_bwd.config`), the dv walk not; forward and every gradient within fp16's
-    tolerance of the oracle, with K = 96 and V = 100 padded, across several chunks."""
+    `fused_chunk.config`), the dq, dk and dv walks pipelined (their level loops unrolled,
+    `fused_chunk_bwd.config`; the dv walk with per-key decays on 16-token chunks, without
+    gates on 32); forward and every gradient within fp16's tolerance of the oracle, with
+    K = 96 and V = 100 padded, across several chunks."""
     with tuning.on_device("9.0 Fake GPU"):
         plan = cases.launch_env(case, backends.prepared(case, "float16", 0), "float16")[0]
         assert fused_chunk.config(plan) == dict(BK=128, BKI=128, BV=128, NV=1, num_warps=8,
                                                 stages=3, BT=16 if case.g == "key" else 32)
-        assert fused_chunk_bwd.config(plan)["stages"] == dict(bwd_dq=3, bwd_dk=3, bwd_dv=1)
+        c = fused_chunk_bwd.config(plan)
+        assert c["stages"] == dict(bwd_dq=3, bwd_dk=3, bwd_dv=3)
+        assert c["chunks"]["bwd_dv"] == (16 if case.g == "key" else 32)
         errs = run_case(case, "float16", backward=True)
     assert_close(errs, "float16")
 

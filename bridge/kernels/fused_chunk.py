@@ -50,7 +50,7 @@ instead, so it takes 64), 16 where 32 spilled on sm_80 (`config`); all of K in o
 block (K <= 256, 64 in fp32, else blocks of SPLIT_BK over programs); V blocks of BV,
 warps and the intra-chunk K block BKI from `config`, pipelining stages from `config`.
 Inside a chunk each block of BKI keys is loaded once and gives every level of A
-(`_intra`).
+(`intra`).
 """
 
 import triton
@@ -62,8 +62,9 @@ from . import chunk, fused_chunk_bwd
 from . import fused_chunk_split as split
 from .common import (block_pos, check_k, decay_k_in, exact_dtype, exp_, flags, gate_inputs,
                      head_gamma, key_gated, level_mask, load_tile, next_pow2, op_dtype,
-                     pair_decays, seg_matrix, seg_sums, seq_bounds, start_sums, op_dot,
+                     seg_matrix, seg_sums, seq_bounds, op_dot,
                      tile_ptrs, varlen_input, wide_dtype)
+from .intra import intra, key_decays, key_gate, start_gate
 
 BT = 32
 # The launch sites the device table (bridge/tuning.py) may tune, with the candidate values
@@ -75,154 +76,6 @@ SITES = {"split": split.SWEEP,
                                         stages=(2, 3), BT=(16, 32)),
          **fused_chunk_bwd.SITES}
 
-
-@triton.jit
-def _key_decays(DT: tl.constexpr, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k,
-                H: tl.constexpr, K: tl.constexpr, G_MODE: tl.constexpr, USE_GK: tl.constexpr,
-                GAMMA_MODE: tl.constexpr):
-    """The chunk's key-side log decays a (common.decay_k_in) [BT, BK], or [BT, 16] when a
-    is the same for every key (g [B,T,H] and g_gamma only): 16 columns instead of K."""
-    if G_MODE == 2 or USE_GK:
-        return decay_k_in(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K, G_MODE,
-                          USE_GK, GAMMA_MODE)
-    else:
-        o_u = tl.arange(0, 16)
-        return decay_k_in(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_u, o_u < 16, H, K,
-                          G_MODE, USE_GK, GAMMA_MODE)
-
-
-@triton.jit
-def _per_key(f, total, PER_KEY: tl.constexpr):
-    """Factors f [BT, BK] and the chunk's sums total [BK] as [BT, BK] and [BK, 1], or as
-    [BT, 1] and a scalar when the decays are the same for every key (not PER_KEY)."""
-    if PER_KEY:
-        return f, total[:, None]
-    else:
-        return tl.max(f, 1)[:, None], tl.max(total, 0)
-
-
-@triton.jit
-def _key_gate(c, DT: tl.constexpr, a, PER_KEY: tl.constexpr):
-    """(exp(c @ a), the sum of a over the chunk) for _key_decays' a (common.seg_sums),
-    shaped by _per_key."""
-    return _per_key(exp_(seg_sums(c, a, DT)), tl.sum(a.to(tl.float32), 0), PER_KEY)
-
-
-@triton.jit
-def _start_gate(o_t, DT: tl.constexpr, a, PER_KEY: tl.constexpr):
-    """(exp of the sums of a (_key_decays) from the chunk's start to each row, inclusive;
-    the chunk's sum), shaped by _per_key: _key_gate's of level 2 BT but for the chunk's sum
-    (common.start_sums)."""
-    s, total = start_sums(o_t, a, DT)
-    return _per_key(exp_(s), total, PER_KEY)
-
-
-@triton.jit
-def _a_level(acc, o_t, h, a, b_q, b_k, scale, DT: tl.constexpr, PER_KEY: tl.constexpr,
-             op: tl.constexpr, DOT_PREC: tl.constexpr, REGION: tl.constexpr):
-    """acc [BT, BT] plus A's pairs of level h from one block of keys: q, k [BT, BKI] and
-    their log decays a (_key_decays). REGION: the product in a branch of its own."""
-    f, _ = _key_gate(seg_matrix(o_t, h, DT), DT, a, PER_KEY)
-    p = (tl.where(((o_t & h) != 0)[:, None], b_q, b_k).to(tl.float32) * f).to(op)
-    if REGION:
-        # (scale 0 makes A 0 either way) Triton gives two dots of one region that feed
-        # each other (seg_sums' and this) a row-only warp layout, which at BT = 32 rows
-        # repeats each product on num_warps / 2 warps
-        if scale != 0:
-            acc += tl.where(level_mask(o_t, h),
-                            tl.dot(p, tl.trans(p), input_precision=DOT_PREC), 0.)
-    else:
-        acc += tl.where(level_mask(o_t, h), tl.dot(p, tl.trans(p), input_precision=DOT_PREC),
-                        0.)
-    return acc
-
-
-@triton.jit
-def _intra_block(acc, diag, q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, kb,
-                 H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BKI: tl.constexpr,
-                 G_MODE: tl.constexpr, USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr,
-                 LEVELS: tl.constexpr, DOT_PREC: tl.constexpr, UNROLL: tl.constexpr,
-                 PAIRS: tl.constexpr):
-    """(acc, diag) plus the keys kb .. kb + BKI - 1 (`_intra`): key decays by levels, but
-    with PAIRS (or none) q k^T alone (`_intra` decays it); UNROLL: the level loop
-    unrolled into one straight body (the diagonal a product into acc, the levels without
-    branches of their own: ptxas overlaps one level's products with the next one's
-    gates, and Triton converts A to the next product's operand layout once, where in a
-    branch a level it converts each level's product), else a runtime loop (one level's
-    products live at a time, each in a branch of its own, the diagonal summed in diag)."""
-    BT: tl.constexpr = pos.shape[0]
-    o_t = tl.arange(0, BT)
-    op: tl.constexpr = op_dtype(q.dtype.element_ty)
-    KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
-    PER_KEY: tl.constexpr = (G_MODE == 2) or USE_GK
-    o_k = kb + tl.arange(0, BKI)
-    mask_k = o_k < K
-    b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
-    b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K).to(b_q.dtype)
-    if KGATE and not PAIRS:
-        if UNROLL:
-            acc += tl.where(o_t[:, None] == o_t[None, :],
-                            tl.dot(b_q.to(op), tl.trans(b_k.to(op)), input_precision=DOT_PREC),
-                            0.)
-        else:
-            diag += tl.sum(b_q.to(op).to(tl.float32) * b_k.to(op).to(tl.float32), 1)
-        DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE,
-                                     USE_GK, GAMMA_MODE)
-        a = _key_decays(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K,
-                        G_MODE, USE_GK, GAMMA_MODE)
-        if UNROLL:
-            for lvl in tl.static_range(0, LEVELS):
-                acc = _a_level(acc, o_t, (BT // 2) >> lvl, a, b_q, b_k, scale, DT, PER_KEY,
-                               op, DOT_PREC, False)
-        else:
-            for lvl in range(0, LEVELS):
-                acc = _a_level(acc, o_t, (BT // 2) >> lvl, a, b_q, b_k, scale, DT, PER_KEY,
-                               op, DOT_PREC, True)
-    else:
-        acc = tl.dot(b_q.to(op), tl.trans(b_k.to(op)), acc, input_precision=DOT_PREC)
-    return acc, diag
-
-
-@triton.jit
-def _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, k0, nki, H: tl.constexpr,
-           HK: tl.constexpr, K: tl.constexpr, BKI: tl.constexpr, G_MODE: tl.constexpr,
-           USE_GK: tl.constexpr, GAMMA_MODE: tl.constexpr, LEVELS: tl.constexpr,
-           DOT_PREC: tl.constexpr, UNROLL: tl.constexpr, PAIRS: tl.constexpr):
-    """A [BT, BT] fp32 of one chunk: scale sum_k q_tk k_sk exp(sum_{s<r<=t} a_rk) for
-    s <= t, 0 above the diagonal, the sum over the keys k0 .. k0 + nki BKI - 1 (all of K,
-    or the program's K block when K is split). Per-key decays' pairs by levels
-    (chunk_intra_kernel's construction), all of them from each block of BKI keys while
-    its q, k and decay tiles are loaded (once a chunk); the diagonal q_t . k_t ungated.
-    PAIRS (decays the same for every key, g [B,T,H] or g_gamma, without gv: the kernel's
-    SCALAR): q k^T times e^(common.pair_sums); with gv those take the levels too (pairs
-    spilled on sm_80 beside gv's value levels). UNROLL (all of K, k0 = 0): the key blocks
-    and levels unrolled, for the pipeliner."""
-    BT: tl.constexpr = pos.shape[0]
-    o_t = tl.arange(0, BT)
-    KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
-    acc = tl.zeros([BT, BT], dtype=tl.float32)
-    diag = tl.zeros([BT], dtype=tl.float32)
-    if UNROLL:
-        for i_k in tl.static_range(0, (K + BKI - 1) // BKI):
-            acc, diag = _intra_block(acc, diag, q, k, g, gk, gamma, row0, pos, mask_t, i_h,
-                                     i_hk, scale, i_k * BKI, H, HK, K, BKI, G_MODE, USE_GK,
-                                     GAMMA_MODE, LEVELS, DOT_PREC, True, PAIRS)
-    else:
-        for i_k in range(0, nki):
-            acc, diag = _intra_block(acc, diag, q, k, g, gk, gamma, row0, pos, mask_t, i_h,
-                                     i_hk, scale, k0 + i_k * BKI, H, HK, K, BKI, G_MODE,
-                                     USE_GK, GAMMA_MODE, LEVELS, DOT_PREC, False, PAIRS)
-    if KGATE and not PAIRS:
-        if not UNROLL:
-            acc = tl.where(o_t[:, None] == o_t[None, :], diag[:, None], acc)
-    else:
-        if PAIRS:  # the same decay for every key: each pair's from one [BT, BT] sum
-            DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE,
-                                           USE_GK, GAMMA_MODE)
-            acc *= pair_decays(o_t, DT, g, gamma, row0, pos, mask_t, i_h, H, K, G_MODE,
-                               GAMMA_MODE)
-        acc = tl.where(o_t[:, None] >= o_t[None, :], acc, 0.)
-    return acc * scale
 
 
 @triton.jit
@@ -301,7 +154,7 @@ def fused_chunk_fwd_kernel(
     # store between two loads keeps both, and the pipeliner copies each into shared
     # memory). Without key decays only k's copy is saved, and o stored where it is
     # computed keeps the loop's chain shorter
-    START: tl.constexpr = STAGES > 1 and not LOCAL  # the chunk's sums from _start_gate
+    START: tl.constexpr = STAGES > 1 and not LOCAL  # the chunk's sums from start_gate
     O_LAST: tl.constexpr = START and KGATE
     b_s = tl.zeros([BK, BV], dtype=tl.float32)
     s_a = tl.zeros([BK, 1], dtype=tl.float32)
@@ -320,20 +173,20 @@ def fused_chunk_fwd_kernel(
                 b_s *= exp_(l_v)
                 s_b += l_v
         else:
-            b_a = _intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, k0, nki, H, HK,
-                         K, BKI, G_MODE, USE_GK, GAMMA_MODE, LEVELS, DOT_PREC, STAGES > 1,
-                         SCALAR)
+            b_a = intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, k0, nki, H, HK,
+                        K, BKI, G_MODE, USE_GK, GAMMA_MODE, LEVELS, DOT_PREC, STAGES > 1,
+                        SCALAR)
             b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
             if not SCALAR:
                 b_q = b_q.to(tl.float32) * scale
             if KGATE:  # gated from the chunk's start
-                a_q = _key_decays(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K,
-                                  G_MODE, USE_GK, GAMMA_MODE)
+                a_q = key_decays(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K,
+                                 G_MODE, USE_GK, GAMMA_MODE)
                 if START:  # the chunk's sums too (else summed on the k side, not held
                     # in registers in between)
-                    f, l_k = _start_gate(o_t, DT, a_q, PER_KEY)
+                    f, l_k = start_gate(o_t, DT, a_q, PER_KEY)
                 else:
-                    f, _ = _key_gate(seg_matrix(o_t, 2 * BT, DT), DT, a_q, PER_KEY)
+                    f, _ = key_gate(seg_matrix(o_t, 2 * BT, DT), DT, a_q, PER_KEY)
                 if SCALAR:  # a factor a row: on (q S)'s rows, q as loaded (no fp32 copy)
                     acc = op_dot(b_q.to(op), b_s, None, op, DOT_PREC) * (f * scale)
                 else:
@@ -367,9 +220,9 @@ def fused_chunk_fwd_kernel(
         if not SCALAR:
             b_k = b_k.to(tl.float32)
         if KGATE:  # gated to the chunk's end
-            f, l_kk = _key_gate(seg_matrix(o_t, BT, DT), DT,
-                                _key_decays(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k,
-                                            mask_k, H, K, G_MODE, USE_GK, GAMMA_MODE), PER_KEY)
+            f, l_kk = key_gate(seg_matrix(o_t, BT, DT), DT,
+                               key_decays(DT, g, gk, gamma, row0, pos, mask_t, i_h, o_k,
+                                          mask_k, H, K, G_MODE, USE_GK, GAMMA_MODE), PER_KEY)
             if not START:
                 l_k = l_kk
             if SCALAR:  # a factor a row: on v's rows ([BT, BV]) instead of k's ([BT, K])
@@ -445,7 +298,7 @@ def config(plan) -> dict:
     warps (two programs a SM without spills; A's [32, 32] products repeat on fewer warps
     than at 8; but 8 with sm_80's mma.sync and per-key decays at 32 < K <= 64, where 4
     spilled) and the intra-chunk products on K blocks BKI of 64 (every level of A from
-    each block, `_intra`: fewer, longer level runs); the lean tiles with decays the same
+    each block, `intra`: fewer, longer level runs); the lean tiles with decays the same
     for every key ("scalar": A is q k^T times one [BT, BT] matrix of decays, no levels)
     on key blocks of all of K and the chunk loop pipelined (stages 3, below), on sm_80
     up to K = 128; 16 bits with K split, or with gv on sm_80 and per-key (or no) key decays at K

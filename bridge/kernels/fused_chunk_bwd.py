@@ -19,16 +19,17 @@ key decays from the chunk start to t (A_t) and from t + 1 to its end, and pairs 
           term, inside a chunk one exact table product (common.seg_sums), across chunks a
           carried [BK] sum;
       DV, per V block (all of K): dv_s = (k_s gated to the end) dS_end + sum_{t>=s} A_ts do_t
-          in v's dtype (fp32 per query head with GQA), and d(initial_state).
+          in v's dtype (fp32 per query head with GQA), A the forward's (intra.py, its
+          diagonal the step's own term), and d(initial_state).
   fused_chunk_bwd_combine_kernel  the same per (sequence x head) from dk' [B,T,H,K] fp32,
       where the DK walk does not (`config`'s fold: a head gate's or g_gamma's gradient, a
       sum over K, with K in several blocks).
 
 Decays inside a chunk are common.seg_sums of the log decays (sums of consecutive decays,
-exact fp32 sums of the decays' own values); the pairs s < t by levels of their highest
-differing position bit (chunk_fwd.py), each level's decay F(t) F(s), both exponents <= 0,
-but with decays the same for every key (g [B,T,H], g_gamma) each pair's own from one
-[BT, BT] product (common.pair_sums: the decays over s < r <= t), no levels; the
+exact fp32 sums of the decays' own values); dq' and dk' take the pairs s < t by levels
+of their highest differing position bit (chunk_fwd.py), each level's decay F(t) F(s),
+both exponents <= 0, but with decays the same for every key (g [B,T,H], g_gamma) each
+pair's own from one [BT, BT] product (common.pair_sums: the decays over s < r <= t), no levels; the
 F-scaled operand of dq' and dk' in two pieces of its 16-bit dtype (common.split_dot;
 chunk_bwd.py: the two sides of a pair must round alike for the gate gradient). The walks
 split K (dq, dk) or V (dv) into blocks so that no gradient is a partial sum over blocks.
@@ -57,6 +58,7 @@ from .. import tuning
 from ..contract import ITEMSIZE
 from ..launch import Launch, Out
 from . import chunk
+from .intra import intra
 from .common import (block_pos, decay_k_in, exact_dtype, exp_, flags, head_gamma, key_gated,
                      level_mask, load_tile, next_pow2, op_dtype, pair_decays, present,
                      seg_matrix, seg_sums, seq_bounds, op_dot, split_dot, split_dot_t,
@@ -210,31 +212,6 @@ def _level_mask_t(o_t, h):
 
 
 @triton.jit
-def _reverse_level(acc_k, acc_v, a, o_t, hl, d_at, b_q, b_k, b_do, scale, op: tl.constexpr,
-                   DT: tl.constexpr, DOT_PREC: tl.constexpr, DK: tl.constexpr,
-                   DV: tl.constexpr, SUM_A: tl.constexpr):
-    """The reverse walk's pairs s < t of level hl: (DK) dk' acc_k [BT, BK] from dA^T d_at
-    and q (`_pairs_level`), (DV) dv acc_v [BT, BV] plus (A^T of the level) do, or with
-    SUM_A the level's pairs of scale A^T written into acc_v [BT, BT] (the levels' pairs
-    are disjoint: one product with do after the last level)."""
-    if DK:
-        acc_k = _pairs_level(acc_k, a, o_t, hl, d_at, b_q, scale, False, op, DT, DOT_PREC)
-    if DV:
-        f = _factor(a, o_t, hl, DT)
-        m_t = _level_mask_t(o_t, hl)
-        # A^T [s, t] of the level: (x F)(x F)^T is symmetric, x = q on the rows of t's
-        # segments, k on s's
-        p = (tl.where(((o_t & hl) != 0)[:, None], b_q, b_k).to(tl.float32) * f).to(op)
-        a_t = tl.dot(p, tl.trans(p), input_precision=DOT_PREC)
-        if SUM_A:
-            acc_v = tl.where(m_t, a_t * scale, acc_v)
-        else:
-            acc_v += op_dot(tl.where(m_t, a_t * scale, 0.).to(wide_dtype(op)), b_do, None, op,
-                            DOT_PREC)
-    return acc_k, acc_v
-
-
-@triton.jit
 def fused_chunk_bwd_dkv_kernel(
     q, k, v, g, gk, g_gamma, cu_seqlens, do, dht, dq_prime, dfa,
     scale, T,
@@ -261,6 +238,10 @@ def fused_chunk_bwd_dkv_kernel(
     # pipelined, the chunk's sums are read off the product that gates q (common.start_sums;
     # with DV it spilled)
     START: tl.constexpr = STAGES > 1 and not DV
+    # pipelined, the dv walk loads q, k and their decays again after A's own loads of them
+    # (shared memory or L1 hits, as the forward's k): not live through A's products;
+    # unpipelined, once, ahead of A (in flight through its products)
+    LATE: tl.constexpr = STAGES > 1 and DV and not DK
     DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE, USE_GK,
                                    GAMMA_MODE)
     op: tl.constexpr = op_dtype(q.dtype.element_ty)
@@ -274,18 +255,19 @@ def fused_chunk_bwd_dkv_kernel(
     gsum = 0.
     for i in tl.range(0, nc, num_stages=STAGES):
         row0, pos, mask_t = block_pos(bos, eos, (nc - 1 - i) * BT, BT, REVERSE)
-        a = _key_decays(g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K, G_MODE,
-                        USE_GK, GAMMA_MODE)
-        b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
-        b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K)
+        if not LATE:
+            a = _key_decays(g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K, G_MODE,
+                            USE_GK, GAMMA_MODE)
+            b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
+            b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K)
         b_do = load_tile(do, row0, pos, i_h, o_v, mask_t, mask_v, H, V).to(op)
-        b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V).to(op)
+        if DK:
+            b_v = load_tile(v, row0, pos, i_hk, o_v, mask_t, mask_v, HK, V).to(op)
         if FOLD and PER_KEY:  # in flight through the level loop (without it, loaded late:
             # one tile fewer live beside the products, which spilled in fp16 on sm_80)
             b_dq = load_tile(dq_prime, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
-        acc_k, acc_v, d_at = 0., 0., 0.  # the absent walk's, passed through the levels
-        # through the chunk end's state gradient
         if DK:
+            # through the chunk end's state gradient
             if PRECISE:
                 acc_k = split_dot(b_v, tl.trans(b_dh), None, op, DOT_PREC, True)
             else:
@@ -293,49 +275,40 @@ def fused_chunk_bwd_dkv_kernel(
             if KGATE:
                 acc_k *= _factor(a, o_t, BT, DT)
             d_at = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)  # dA^T [s, t]
-        if DV:
-            if KGATE:
-                acc_v = op_dot((b_k.to(tl.float32) * _factor(a, o_t, BT, DT)).to(op), b_dh,
-                               None, op, DOT_PREC)
-            else:
-                acc_v = op_dot(b_k.to(op), b_dh, None, op, DOT_PREC)
-            # the step's own term: A's diagonal, ungated
-            diag = tl.sum(b_q.to(tl.float32) * b_k.to(tl.float32), 1) * scale
-            acc_v += diag[:, None] * b_do.to(tl.float32)
-        if KGATE and not PER_KEY:  # each pair's decay from one [BT, BT] sum, no levels
-            later = o_t[:, None] < o_t[None, :]
-            e_t = pair_decays(o_t, DT, g, gamma, row0, pos, mask_t, i_h, H, K, G_MODE,
-                              GAMMA_MODE, True)
-            if DK:
+            if KGATE and not PER_KEY:  # each pair's decay from one [BT, BT] sum, no levels
+                later = o_t[:, None] < o_t[None, :]
+                e_t = pair_decays(o_t, DT, g, gamma, row0, pos, mask_t, i_h, H, K, G_MODE,
+                                  GAMMA_MODE, True)
                 # scaled after the product, as dq' (the pair's two sides round alike)
                 acc_k += op_dot(tl.where(later, d_at * e_t, 0.).to(wide_dtype(op)), b_q, None,
                                 op, DOT_PREC) * scale
-            if DV:
-                a_t = tl.dot(b_k.to(op), tl.trans(b_q.to(op)), input_precision=DOT_PREC)
-                acc_v += op_dot(tl.where(later, a_t * e_t * scale, 0.).to(wide_dtype(op)), b_do,
-                                None, op, DOT_PREC)
-        elif KGATE and STAGES > 1:  # the pipeliner takes no loop that holds a loop
-            # (unrolled, A^T of every level gathered first: one product with do, not one a
-            # level)
-            at_s = tl.zeros([BT, BT], dtype=tl.float32) if DV else 0.
-            for lvl in tl.static_range(0, LEVELS):
-                acc_k, at_s = _reverse_level(acc_k, at_s, a, o_t, (BT // 2) >> lvl, d_at, b_q,
-                                             b_k, b_do, scale, op, DT, DOT_PREC, DK, DV, True)
-            if DV:
-                acc_v += op_dot(at_s.to(wide_dtype(op)), b_do, None, op, DOT_PREC)
-        elif KGATE:
-            for lvl in range(0, LEVELS):  # one level's tiles live at a time
-                acc_k, acc_v = _reverse_level(acc_k, acc_v, a, o_t, (BT // 2) >> lvl, d_at, b_q,
-                                              b_k, b_do, scale, op, DT, DOT_PREC, DK, DV, False)
-        else:
-            later = o_t[:, None] < o_t[None, :]
-            if DK:
-                acc_k += split_dot(tl.where(later, d_at, 0.).to(wide_dtype(op)), b_q, None, op,
-                                   DOT_PREC) * scale
-            if DV:
-                a_t = tl.dot(b_k.to(op), tl.trans(b_q.to(op)), input_precision=DOT_PREC)
-                acc_v += op_dot(tl.where(later, a_t * scale, 0.).to(wide_dtype(op)), b_do,
-                                None, op, DOT_PREC)
+            elif KGATE and STAGES > 1:  # the pipeliner takes no loop that holds a loop
+                for lvl in tl.static_range(0, LEVELS):
+                    acc_k = _pairs_level(acc_k, a, o_t, (BT // 2) >> lvl, d_at, b_q, scale,
+                                         False, op, DT, DOT_PREC)
+            elif KGATE:
+                for lvl in range(0, LEVELS):  # one level's tiles live at a time
+                    acc_k = _pairs_level(acc_k, a, o_t, (BT // 2) >> lvl, d_at, b_q, scale,
+                                         False, op, DT, DOT_PREC)
+            else:
+                acc_k += split_dot(tl.where(o_t[:, None] < o_t[None, :], d_at, 0.)
+                                   .to(wide_dtype(op)), b_q, None, op, DOT_PREC) * scale
+        if DV:
+            # A^T do with the forward's A (its diagonal the step's own term), then the
+            # chunk end's state gradient through k gated to the end
+            b_a = intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, 0, 1, H, HK, K,
+                        BK, G_MODE, USE_GK, GAMMA_MODE, LEVELS, DOT_PREC, STAGES > 1,
+                        KGATE and not PER_KEY)
+            acc_v = op_dot(tl.trans(b_a).to(wide_dtype(op)), b_do, None, op, DOT_PREC)
+            if LATE:
+                a = _key_decays(g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K,
+                                G_MODE, USE_GK, GAMMA_MODE)
+                b_k = load_tile(k, row0, pos, i_hk, o_k, mask_t, mask_k, HK, K)
+            if KGATE:
+                acc_v = op_dot((b_k.to(tl.float32) * _factor(a, o_t, BT, DT)).to(op), b_dh,
+                               acc_v, op, DOT_PREC)
+            else:
+                acc_v = op_dot(b_k.to(op), b_dh, acc_v, op, DOT_PREC)
         if FOLD:  # v_t . do_t: dA^T's diagonal
             vdo = tl.sum(tl.where(o_t[:, None] == o_t[None, :], d_at, 0.), 1) * scale
             if not PER_KEY:
@@ -350,6 +323,8 @@ def fused_chunk_bwd_dkv_kernel(
         if DV:
             tl.store(tile_ptrs(dv, row0, pos, i_h, o_v, H, V), acc_v.to(dv.dtype.element_ty),
                      mask=mask_t[:, None] & mask_v[None, :])
+        if LATE:
+            b_q = load_tile(q, row0, pos, i_h, o_k, mask_t, mask_k, H, K)
         b_qs = b_q.to(tl.float32) * scale
         if KGATE:  # gated from the chunk's start
             if START:
@@ -497,33 +472,30 @@ SITES = {"bwd_dq": dict(num_warps=(4, 8), BT=(16, 32), stages=(2, 3)),
 
 def config(plan) -> dict:
     """BK, BV: K and V padded to powers of 2; SK: the K blocks of the dq and dk walks (all
-    of V), 64 for 16-bit inputs; SV: the V blocks of the dv walk (all of K), 32 (its A
-    levels beside the state; 64 spilled on sm_80), 16 for fp32 (FMA products); warps:
-    4 in 16 bits (two programs a SM without spills; A's [16, 16] products repeat on
-    fewer warps than at 8), 8 in fp32 (4 spilled); chunks: each walk's chunk length, BT;
-    on sm_90 (tuning.wgmma), 16 bits: the dv walk on all of V at 8 warps on 32-token
-    chunks (A's levels once a head instead of once a V block, half the serial steps;
-    spilled on sm_80; 16 where its keys are masked, K short of BK, and not in whole
-    16-column pieces or fewer than the values: there 32 spilled 8-104 B in its loop;
-    the dq and dk walks on 32-token chunks spilled at 4 warps on sm_90, in fp16 and
-    under triton 3.6, and ran two waves at 8); with_dk: the dv walk also
-    writes dk' where it has all of V (one reverse walk instead of two; off by default:
-    at K = V = 128 it spilled without gates under triton 3.6 and in fp16, a sweep
-    candidate); each walk's the device table's entry where it has one (`SITES`); fold:
-    the walk that makes dk' finishes dq, dk and the gate's gradient itself (no combine
-    pass: dk' never goes to HBM, q, k, v, do are not read again) but where a head gate's
-    gradient would be a sum over its K blocks; stages: each walk's software pipelining
-    (3: the tiles of the chunk after next loaded during this one, the level loop unrolled,
-    since the pipeliner takes no loop that holds a loop; at 2 the next chunk's loads issue
-    at the end of the body, so each run starts waiting on them; at 1 each chunk's loads
-    wait on the shared memory its previous products used), 3 for bf16 on sm_90 but the
-    dv walk's with decays the same for every key (48 B spilled in its loop at K = V = 128
-    with a head gate), and for fp16's dq and dk walks there but the dk walk's with per-key
-    decays past 96 keys (8 B spilled at
-    K = 128 under triton 3.6; fp16's dv walk is faster unpipelined, its runtime level loop
-    shorter than the unrolled one; the dv walk on sm_80's tiles spilled 15.9 KB: sweep
-    candidates elsewhere), else 1; fp16 with g_gamma past 64 keys or values: the dq and
-    dk walks at 8 warps (at 4 their states in tf32 pieces spilled 256-312 B)."""
+    of V), 64 for 16-bit inputs; SV: the V blocks of the dv walk (all of K), 32 (64
+    spilled on sm_80), 16 for fp32 (FMA products); warps: 4 in 16 bits (two programs a
+    SM without spills; A's [16, 16] products repeat on fewer warps than at 8), 8 in fp32
+    (4 spilled); chunks: each walk's chunk length, BT; on sm_90 (tuning.wgmma), 16 bits:
+    the dv walk on all of V at 8 warps on 32-token chunks (A built once a head instead of
+    once a V block, half the serial steps; spilled on sm_80), 16 for fp16 with key decays
+    past 64 keys (its tf32 state and A products: 32 spilled 112-372 B in its loop); the
+    dq and dk walks on 32-token chunks spilled at 4 warps on sm_90, in fp16 and under
+    triton 3.6, and ran two waves at 8; with_dk: the dv walk also writes dk' where it has
+    all of V (one reverse walk instead of two; off by default: at K = V = 128 it spilled
+    without gates under triton 3.6 and in fp16, a sweep candidate); each walk's the
+    device table's entry where it has one (`SITES`); fold: the walk that makes dk'
+    finishes dq, dk and the gate's gradient itself (no combine pass: dk' never goes to
+    HBM, q, k, v, do are not read again) but where a head gate's gradient would be a sum
+    over its K blocks; stages: each walk's software pipelining (3: the tiles of the chunk
+    after next loaded during this one, the level loops unrolled, since the pipeliner
+    takes no loop that holds a loop; at 2 the next chunk's loads issue at the end of the
+    body, so each run starts waiting on them; at 1 each chunk's loads wait on the shared
+    memory its previous products used), 3 on sm_90 in 16 bits but fp16's dk walk with
+    per-key decays past 96 keys (8 B spilled at K = 128 under triton 3.6), else 1 (the
+    dv walk on sm_80's tiles spilled 15.9 KB pipelined: a sweep candidate elsewhere);
+    fp16 with g_gamma past 64 keys or values: the dq and dk walks at 8 warps (at 4 their
+    states in tf32 pieces spilled 256-312 B), and off sm_90 in 16 bits the dk walk that
+    folds a head gate's gradient (K <= 64) at 8 (at 4 it spilled 92-188 B at K = 50)."""
     BK, BV = max(16, next_pow2(plan.K)), max(16, next_pow2(plan.V))
     wide = plan.dtype in ("bfloat16", "float16")
     warps = 4 if wide else 8
@@ -531,24 +503,26 @@ def config(plan) -> dict:
     # chunks (half the serial steps)
     whole = wide and tuning.wgmma()
     bf16 = whole and plan.dtype == "bfloat16"
-    # fp16: the dq and dk walks pipelined, the dk walk's not with per-key decays past 96
-    # keys (8 B spilled at K = 128 under triton 3.6)
+    # fp16: the dk walk unpipelined with per-key decays past 96 keys (8 B spilled at
+    # K = 128 under triton 3.6), the dv walk on 16-token chunks with key decays past 64 keys
     fp16 = whole and plan.dtype == "float16"
     keyed = plan.g == "key" or plan.gk  # per-key decays (fused_chunk.config's name)
-    shared = key_gated(plan) and not keyed  # decays the same for every key
-    stages = dict(bwd_dq=3 if bf16 or fp16 else 1,
+    stages = dict(bwd_dq=3 if whole else 1,
                   bwd_dk=3 if bf16 or (fp16 and not (keyed and plan.K > 96)) else 1,
-                  bwd_dv=3 if bf16 and not shared else 1)
+                  bwd_dv=3 if whole else 1)
     gamma16 = fp16 and plan.g_gamma != "none" and max(plan.K, plan.V) > 64
-    long_dv = plan.K == BK or (plan.K % 16 == 0 and plan.V <= plan.K)
+    # off sm_90, 16 bits: the dk walk that folds a head gate's gradient (all of K in one
+    # block) at 8 warps (at 4 it spilled 92-188 B at K = V = 50)
+    head8 = wide and not whole and plan.g == "head" and BK <= 64
+    dv16 = fp16 and key_gated(plan) and BK > 64
     knobs = {site: tuning.pick(plan, "fused_chunk", site,
-                               dict(num_warps=8 if gamma16 else warps, BT=BT,
-                                    stages=stages[site]))
+                               dict(num_warps=8 if gamma16 or (head8 and site == "bwd_dk")
+                                    else warps, BT=BT, stages=stages[site]))
              for site in ("bwd_dq", "bwd_dk")}
     knobs["bwd_dv"] = tuning.pick(plan, "fused_chunk", "bwd_dv",
                                   dict(num_warps=8 if whole else warps,
                                        SV=BV if whole else 32 if wide else 16,
-                                       BT=32 if whole and long_dv else BT,
+                                       BT=32 if whole and not dv16 else BT,
                                        with_dk=False,
                                        stages=stages["bwd_dv"]))
     SV = min(knobs["bwd_dv"]["SV"], BV)
