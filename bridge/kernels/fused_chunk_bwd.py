@@ -29,9 +29,10 @@ Decays inside a chunk are common.seg_sums of the log decays (sums of consecutive
 exact fp32 sums of the decays' own values); dq' and dk' take the pairs s < t by levels
 of their highest differing position bit (chunk_fwd.py), each level's decay F(t) F(s),
 both exponents <= 0, but with decays the same for every key (g [B,T,H], g_gamma) each
-pair's own from one [BT, BT] product (common.pair_sums: the decays over s < r <= t), no levels; the
-F-scaled operand of dq' and dk' in two pieces of its 16-bit dtype (common.split_dot;
-chunk_bwd.py: the two sides of a pair must round alike for the gate gradient). The walks
+pair's own from one [BT, BT] product (common.pair_sums: the decays over s < r <= t), no
+levels; the F-scaled operand of dq' and dk' in two pieces of its 16-bit dtype
+(common.split_dot; chunk_bwd.py: the two sides of a pair must round alike for the gate
+gradient). The walks
 split K (dq, dk) or V (dv) into blocks so that no gradient is a partial sum over blocks.
 
 g_gamma's gradient dgamma [N,H] is the head gate's summed over the sequence's steps (the

@@ -1,7 +1,9 @@
 """The intra-chunk matrix A of one chunk built on chip (fused_chunk.py's forward, and
 fused_chunk_bwd.py's dv walk, which takes A^T): the levels of chunk_fwd.py's module
 docstring from blocks of BKI keys, each block's q, k and decay tiles loaded once; with
-decays the same for every key, q k^T times each pair's decay from one [BT, BT] sum."""
+decays the same for every key, q k^T times each pair's decay from one [BT, BT] sum. With
+it the chunk's key decays and their factors (key_decays, key_gate, start_gate), which
+the forward's state products take too."""
 
 import triton
 import triton.language as tl
