@@ -73,7 +73,7 @@ TESTS = tuple(f"tests/test_triton_{fam}.py::test_features_fp32[{g}]"
     "tests/test_compiled_build.py::test_fused_chunk_16bit_forward_spills_only_where_known",
     "tests/test_compiled_build.py::"
     "test_fused_chunk_dv_walk_with_masked_keys_builds_without_spills_on_sm90",
-    "tests/test_compiled_build.py::test_fused_chunk_dv_walk_builds_without_spills_on_sm80")
+    "tests/test_compiled_build.py::test_fused_chunk_walks_build_without_spills_on_sm80")
 
 
 def family(kernel: str) -> str:

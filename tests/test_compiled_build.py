@@ -447,42 +447,58 @@ def test_fused_chunk_dv_walk_with_masked_keys_builds_without_spills_on_sm90(tmp_
     assert {(d, bt) for d, g, K, V, bt, _ in got} == {("bf16", 32), ("fp16", 16)}
 
 
-# The dv walk on sm_80 (4 warps, 32-wide V blocks, 16-token chunks, unpipelined), its A
-# the forward's construction (intra.py)
-_DV_SM80 = '''
-import json
+# fused_chunk's walks on sm_80 (mma.sync: operands in registers; the CPU's plans too):
+# the dq and dk walks on K blocks of 32 or 64, the dv walk on 32-wide V blocks (A the
+# forward's construction, intra.py), 16-token chunks, pipelined where that builds
+_WALKS_SM80 = '''
+import dataclasses, json
 from parity.compiled import build, report
 from bridge.kernels import fused_chunk_bwd
 
 out = []
 with build.for_arch(80):
     for dtype in ("bf16", "fp16"):
-        for gates in ("key", "head", "none"):
-            for K, V in ((128, 128), (96, 96), (100, 100), (68, 68), (50, 50), (100, 64)):
-                plan = report.report_plan((1, 64, 2, K, V), dtype, gates)
-                launch = [x for x in fused_chunk_bwd.launches(plan, True)
-                          if x.constexprs.get("DV")][0]
-                r = build.compile_launch(launch, plan, 80,
-                                         dtypes=build.tensor_dtypes(plan, [[launch]]))
-                out.append([dtype, gates, K, V, launch.num_warps, launch.constexprs["BV"],
-                            launch.constexprs["BT"], launch.constexprs["STAGES"],
-                            r["spill_bytes"]])
+        for gates in ("key", "head", "none", "gamma", "gk", "head+gk"):
+            shapes = (((128, 128), (100, 100), (64, 64), (50, 50), (100, 64))
+                      if "+" not in gates else ((64, 64), (50, 50)))
+            for K, V in shapes:
+                plan = report.report_plan((1, 64, 2, K, V), dtype,
+                                          "none" if "gk" in gates else gates)
+                if "gk" in gates:
+                    plan = dataclasses.replace(plan, gk=True, g="head" if "+" in gates else "none")
+                launches = fused_chunk_bwd.launches(plan, True)
+                dtypes = build.tensor_dtypes(plan, [launches])
+                for launch in launches:
+                    r = build.compile_launch(launch, plan, 80, dtypes=dtypes)
+                    c = launch.constexprs
+                    name = launch.kernel.__name__ + (".dv" if c.get("DV") else "")
+                    out.append([dtype, gates, K, V, name, launch.num_warps, c.get("BK"),
+                                c.get("BV"), c.get("STAGES"), r["spill_bytes"]])
 print(json.dumps(out))
 '''
 
 
 @pytest.mark.matrix
-def test_fused_chunk_dv_walk_builds_without_spills_on_sm80(tmp_path):
-    """fused_chunk's dv walk on sm_80 (mma.sync: operands in registers) at 4 warps on
-    32-wide V blocks and 16-token chunks, bf16 and fp16, per-key, per-head and no decays,
-    K = V = 128 and 96, and head dims that are not powers of two (100, 68, 50; 100 x 64):
-    no spills (with A's levels built beside the state in its own loop it spilled 64-72 B
-    at K = V = 96 and 128 under triton 3.6.0, 72-160 B with a key gate where K is not a
-    multiple of 16)."""
-    got = _compiled_json(tmp_path, _DV_SM80, timeout=900)
-    assert len(got) == 36
+def test_fused_chunk_walks_build_without_spills_on_sm80(tmp_path):
+    """fused_chunk's backward on sm_80, every launch (the dq, dk and dv walks and the
+    combine), bf16 and fp16, per-key, per-head, no decays, g_gamma (on chip off sm_90
+    too) and gk alone at K x V = 128, 100, 64, 50 square and 100 x 64, g and gk together
+    at 64 and 50: no spills; the dq and dk walks on 32-key blocks beside V under 128 and
+    with g_gamma (on 64 they spilled 248-1416 B pipelined with per-key decays and
+    268-1124 B with g_gamma, 8 B with a head gate at K = 50), the walks pipelined but the
+    dv walk with per-key decays past 64 keys or g and gk together (1.0-1.9 KB, 56-224 B)
+    and fp16's dk walk with per-key decays past 96 keys."""
+    got = _compiled_json(tmp_path, _WALKS_SM80, timeout=1800)
+    assert len({tuple(row[:4]) for row in got}) == 2 * (5 * 5 + 2)
     assert [row for row in got if row[-1]] == []
-    assert {tuple(row[4:8]) for row in got} == {(4, 32, 16, 1)}
+    walks = {(d, g, K, V, n): (bk, st) for d, g, K, V, n, w, bk, bv, st, _ in got
+             if n.startswith("fused_chunk_bwd_d")}
+    assert walks["bf16", "key", 128, 128, "fused_chunk_bwd_dq_kernel"] == (64, 3)
+    assert walks["bf16", "key", 64, 64, "fused_chunk_bwd_dq_kernel"] == (32, 3)
+    assert walks["bf16", "gamma", 128, 128, "fused_chunk_bwd_dkv_kernel"] == (32, 3)
+    assert walks["bf16", "key", 128, 128, "fused_chunk_bwd_dkv_kernel.dv"] == (128, 1)
+    assert walks["fp16", "head+gk", 64, 64, "fused_chunk_bwd_dkv_kernel.dv"] == (64, 1)
+    assert walks["bf16", "head", 128, 128, "fused_chunk_bwd_dkv_kernel.dv"] == (128, 3)
 
 
 _FUSED_CHUNK_16_FWD = '''

@@ -258,9 +258,10 @@ def test_backward_choice(monkeypatch):
 
 def test_backward_rule():
     """Which plans the on-chip walks take (fused_chunk_bwd.supported): those whose builds
-    have no spills; no gv; g_gamma alone on sm_90 (faked: tuning.wgmma) in bf16 up to
-    K = V = 128 and in fp16 too (past 64 its dq and dk walks at 8 warps); the warps of the
-    walks where 4 spilled."""
+    have no spills; no gv; g_gamma alone in 16 bits up to K = V = 128 (on sm_90, faked:
+    tuning.wgmma, fp16 past 64 with its dq and dk walks at 8 warps; on sm_80's tiles, the
+    CPU's, on 32-key blocks); the warps, K blocks and pipelining of the walks where
+    others spilled."""
     def plan(K, V, dtype="bfloat16", **gates):
         return contract.Plan(B=1, T=64, H=2, Hk=2, K=K, V=V, N=1, g=gates.get("g", "none"),
                              gk=gates.get("gk", False), gv=gates.get("gv", False),
@@ -275,15 +276,35 @@ def test_backward_rule():
     assert not fused_chunk_bwd.supported(plan(128, 128, "float32"))
     assert fused_chunk_bwd.supported(plan(64, 64, "float32", gk=True))
     assert not fused_chunk_bwd.supported(plan(64, 64, gv=True))
-    assert not fused_chunk_bwd.supported(plan(64, 64, g_gamma="head"))
-    # off sm_90 the dk walk that folds a head gate's gradient (K <= 64) at 8 warps (4
-    # spilled at K = 50)
-    head = {(K, dt): fused_chunk_bwd.config(plan(K, K, dt, g="head"))["warps"]
-            for K, dt in ((50, "bfloat16"), (64, "float16"), (128, "bfloat16"),
-                          (64, "float32"))}
+    assert fused_chunk_bwd.supported(plan(64, 64, g_gamma="head"))
+    assert not fused_chunk_bwd.supported(plan(64, 64, "float32", g_gamma="head"))
+    # sm_80's tiles: the dq and dk walks on 32-key blocks with g_gamma, beside V under
+    # 128 and with per-key decays over 64 keys at most; every walk pipelined in 16 bits
+    # but the dk walk of fp16 with per-key decays past 96 keys or on V = 32, the dv walk
+    # with per-key decays past 64 keys or with both g and gk, and the dq walk with both
+    # on V = 32
+    def sk_stages(K, V, dtype="bfloat16", **gates):
+        c = fused_chunk_bwd.config(plan(K, V, dtype, **gates))
+        return c["SK"], tuple(c["stages"][w] for w in ("bwd_dq", "bwd_dk", "bwd_dv"))
+
+    assert sk_stages(128, 128, g="key") == (64, (3, 3, 1))
+    assert sk_stages(128, 128, "float16", g="key") == (64, (3, 1, 1))
+    assert sk_stages(64, 64, g="key") == (32, (3, 3, 3))
+    assert sk_stages(32, 32, "float16", gk=True) == (32, (3, 1, 3))
+    assert sk_stages(64, 32, g="key", gk=True) == (32, (1, 3, 1))
+    assert sk_stages(64, 64, g="head", gk=True) == (32, (3, 3, 1))
+    assert sk_stages(128, 128, g="head") == (64, (3, 3, 3))
+    assert sk_stages(128, 128, g_gamma="head") == (32, (3, 3, 3))
+    assert sk_stages(64, 64, "float32", g="key") == (16, (1, 1, 1))
+    # off sm_90 the dk walk that folds a head gate's gradient (all of K in one block) at 8
+    # warps (4 spilled at K = 50); beside V under 128 its K blocks of 32 at 4, no fold
+    head = {(K, V, dt): fused_chunk_bwd.config(plan(K, V, dt, g="head"))["warps"]
+            for K, V, dt in ((32, 32, "bfloat16"), (64, 128, "float16"), (64, 64, "float16"),
+                             (128, 128, "bfloat16"), (64, 64, "float32"))}
     assert {k: (w["bwd_dq"], w["bwd_dk"]) for k, w in head.items()} == {
-        (50, "bfloat16"): (4, 8), (64, "float16"): (4, 8), (128, "bfloat16"): (4, 4),
-        (64, "float32"): (8, 8)}
+        (32, 32, "bfloat16"): (4, 8), (64, 128, "float16"): (4, 8),
+        (64, 64, "float16"): (4, 4), (128, 128, "bfloat16"): (4, 4),
+        (64, 64, "float32"): (8, 8)}
     assert fused_chunk_bwd.config(plan(64, 64, g="key"))["warps"]["bwd_dk"] == 4
     with tuning.on_device("9.0 Fake GPU"):
         assert fused_chunk_bwd.config(plan(64, 64, g="head"))["warps"]["bwd_dk"] == 4
@@ -291,6 +312,8 @@ def test_backward_rule():
         assert fused_chunk_bwd.supported(plan(64, 64, "float16", g_gamma="seq"))
         assert fused_chunk_bwd.supported(plan(128, 128, "float16", g_gamma="head"))
         assert not fused_chunk_bwd.supported(plan(128, 256, "float16", g_gamma="head"))
+        assert sk_stages(64, 64, g="key") == (64, (3, 3, 3))
+        assert sk_stages(128, 128, g_gamma="head") == (64, (3, 3, 3))
         # fp16's dq and dk walks with g_gamma past 64 keys or values at 8 warps (4 spilled)
         warps = {(K, V): fused_chunk_bwd.config(plan(K, V, "float16", g_gamma="head"))["warps"]
                  for K, V in ((64, 64), (64, 128), (128, 64), (96, 96))}
@@ -301,12 +324,14 @@ def test_backward_rule():
         assert not fused_chunk_bwd.supported(plan(32, 32, "float32", g_gamma="head"))
 
 
-# g_gamma's on-chip walks (sm_90 only, faked): its gradient a sum over every step, both
-# forms, the fold (K <= 64) and the combine (K = 96: two K blocks of 64), varlen with an
-# empty and a one-token sequence, reversed, with an initial state and without
+# g_gamma's on-chip walks (sm_90's tiles, faked, and sm_80's, the CPU's): its gradient a
+# sum over every step, both forms, the fold (all of K in one block: K <= 64 on sm_90, 32
+# on sm_80) and the combine (K = 96: K blocks of 64 or 32), varlen with an empty and a
+# one-token sequence, reversed, with an initial state and without
 WALKS = {"fused_chunk_bwd_dq_kernel", "fused_chunk_bwd_dkv_kernel",
          "fused_chunk_bwd_combine_kernel"}
 GAMMA_CASES = [C("gamma-fold", T=70, H=2, Hk=1, K=64, V=40, g_gamma="head", initial_state=True),
+               C("gamma-fold-32", T=70, H=2, Hk=1, K=32, V=24, g_gamma="head"),
                C("gamma-combine-seq", T=70, H=2, Hk=2, K=96, V=100, g_gamma="seq",
                  initial_state=True),
                C("gamma-varlen-rev", H=2, Hk=1, K=96, V=64, seqlens=(40, 0, 1, 37),
@@ -315,16 +340,22 @@ GAMMA_CASES = [C("gamma-fold", T=70, H=2, Hk=1, K=64, V=40, g_gamma="head", init
 
 @pytest.mark.parametrize("case", GAMMA_CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_gamma_walks(case, dtype):
+@pytest.mark.parametrize("device", ["9.0 Fake GPU", "8.0 Fake GPU"], ids=("sm90", "sm80"))
+def test_gamma_walks(case, dtype, device):
     """g_gamma through the walks (no chunk-family launch in the backward), forward and
-    every gradient within the dtype's tolerance of the float64 oracle; fp16 past K = 64
-    (or V) with the dq and dk walks at 8 warps."""
-    with tuning.on_device("9.0 Fake GPU"):
+    every gradient within the dtype's tolerance of the float64 oracle; on sm_90 fp16 past
+    K = 64 (or V) with the dq and dk walks at 8 warps, on sm_80 those on 32-key blocks
+    at 4, the gradient folded into the dk walk where one block holds all of K."""
+    with tuning.on_device(device):
         plan = cases.launch_env(case, backends.prepared(case, dtype, 0), dtype)[0]
         launches = fused_chunk.backward_launches(plan, True)
         assert {x.kernel.__name__ for x in launches} <= WALKS, launches
-        wide16 = dtype == "float16" and max(case.K, case.V) > 64
+        wide16 = dtype == "float16" and max(case.K, case.V) > 64 and device.startswith("9")
         assert launches[0].num_warps == (8 if wide16 else 4)
+        block = 64 if device.startswith("9") else 32
+        assert launches[0].constexprs["BK"] == min(block, max(16, 1 << (case.K - 1).bit_length()))
+        folded = launches[-1].kernel.__name__ != "fused_chunk_bwd_combine_kernel"
+        assert folded == (case.K <= block)
         assert_close(run_case(case, dtype, backward=True), dtype)
 
 
@@ -385,9 +416,9 @@ def test_sm90_tiles_bf16(case):
     its chunk loop pipelined: key blocks and levels unrolled), the dv walk all of V (SV
     128, 8 warps) on 32-token chunks (in fp16 with key decays past 64 keys 16), every
     walk pipelined (level loops unrolled), where the CPU's plan takes V blocks of 64 and
-    32, 16-token chunks and runtime loops: forward and every gradient within bf16's
-    tolerance of the oracle, across several chunks, with K = 96 and
-    V = 100 padded (masked key and value columns), reversed, and varlen with an empty and
+    32, 16-token chunks, runtime loops in the forward and the dv walk: forward and every
+    gradient within bf16's tolerance of the oracle, across several chunks, with K = 96
+    and V = 100 padded (masked key and value columns), reversed, and varlen with an empty and
     a one-token sequence under a head gate."""
     bf16 = [torch.zeros(1, 1, h, d, dtype=torch.bfloat16) for h, d in ((2, 96), (1, 96),
                                                                        (1, 100))]
@@ -403,9 +434,10 @@ def test_sm90_tiles_bf16(case):
     # the dv walk on 32-token chunks with K = 96 masked in its block of 128 beside V > K
     assert wide[1]["chunks"] == dict(bwd_dq=16, bwd_dk=16, bwd_dv=32)
     assert narrow[1]["chunks"] == dict(bwd_dq=16, bwd_dk=16, bwd_dv=16)
-    # the walks pipelined (level loops unrolled) on sm_90 in bf16, every gate (fp16's below)
+    # the walks pipelined (level loops unrolled) on sm_90 in bf16, every gate (fp16's
+    # below); on sm_80's tiles the dv walk with per-key decays past 64 keys not
     assert (wide[1]["stages"], narrow[1]["stages"]) == (dict(bwd_dq=3, bwd_dk=3, bwd_dv=3),
-                                                      dict(bwd_dq=1, bwd_dk=1, bwd_dv=1))
+                                                      dict(bwd_dq=3, bwd_dk=3, bwd_dv=1))
     # fp16: every walk pipelined but the dk walk with per-key decays past 96 keys; its dv
     # walk on 16-token chunks with key decays past 64 keys (on 32 it spilled)
     with tuning.on_device("9.0 Fake GPU"):

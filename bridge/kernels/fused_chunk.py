@@ -35,8 +35,8 @@ decays' own values, as 1 or 3 16-bit tensor-core products), the same dot operand
 the state and A at tf32, common.op_dot).
 
 Backward: fused_chunk_bwd.py's walks with S or dh in registers, where they apply
-(fused_chunk_bwd.supported: no gv, K, V <= 128 in 16 bits, g_gamma only on sm_90), else
-the chunk family's launch list (chunk.backward_launches, 64-token chunks, which
+(fused_chunk_bwd.supported: no gv, K, V <= 128 in 16 bits, g_gamma alone in 16 bits),
+else the chunk family's launch list (chunk.backward_launches, 64-token chunks, which
 recomputes the states h and dh and A into HBM); GLA_BRIDGE_FUSED_CHUNK_BWD=chunk takes
 the chunk list always. Nothing is kept from the forward (autograd holds the inputs).
 The buffers beyond the returned gradients at (8,4096,16,128,128) bf16 (`parity.compiled

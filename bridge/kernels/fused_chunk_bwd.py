@@ -42,8 +42,8 @@ them, in two pieces (common.split_dot, split_dot_t), so that 16-bit roundings do
 shift it.
 
 Not here (the chunk family's list runs instead, fused_chunk.backward_launches): the value
-gate gv (its gradient needs o' do and value levels), g_gamma but alone on sm_90, and the
-shapes whose builds spill (`supported`).
+gate gv (its gradient needs o' do and value levels), g_gamma but alone in 16 bits, and
+the shapes whose builds spill (`supported`).
 
 Memory at (8,4096,16,128,128) bf16, g [B,T,H,K] (`parity.compiled --report`'s workspace, the
 buffers beyond the returned gradients): dq' in fp32, 0.268 GB; the
@@ -449,15 +449,14 @@ def supported(plan) -> bool:
     and shapes whose builds have no register spills on sm_80 and sm_90 (`config`): K, V <=
     128 in 16 bits (<= 64 with both g and gk, whose decays the dv walk splits into 3
     pieces), <= 64 in fp32 (FMA products); g_gamma (decays in 3 pieces, its gradient's
-    state products in 2) alone only on sm_90 (`tuning.wgmma`: operands from shared
-    memory), in 16 bits at K, V <= 128 (fp16's dq and dk walks past 64 at 8 warps,
-    `config`)."""
+    state products in 2) alone, in 16 bits at K, V <= 128 (`config`: fp16's dq and dk
+    walks past 64 at 8 warps on sm_90, both on 32-key blocks elsewhere)."""
     if os.environ.get("GLA_BRIDGE_FUSED_CHUNK_BWD", "onchip") == "chunk":
         return False
     if plan.gv:
         return False
     if plan.g_gamma != "none":
-        return (plan.g == "none" and not plan.gk and tuning.wgmma()
+        return (plan.g == "none" and not plan.gk
                 and plan.dtype in ("bfloat16", "float16") and max(plan.K, plan.V) <= 128)
     wide = plan.dtype in ("bfloat16", "float16") and not (plan.g != "none" and plan.gk)
     return max(plan.K, plan.V) <= (128 if wide else 64)
@@ -473,10 +472,15 @@ SITES = {"bwd_dq": dict(num_warps=(4, 8), BT=(16, 32), stages=(2, 3)),
 
 def config(plan) -> dict:
     """BK, BV: K and V padded to powers of 2; SK: the K blocks of the dq and dk walks (all
-    of V), 64 for 16-bit inputs; SV: the V blocks of the dv walk (all of K), 32 (64
-    spilled on sm_80), 16 for fp32 (FMA products); warps: 4 in 16 bits (two programs a
-    SM without spills; A's [16, 16] products repeat on fewer warps than at 8), 8 in fp32
-    (4 spilled); chunks: each walk's chunk length, BT; on sm_90 (tuning.wgmma), 16 bits:
+    of V), 64 for 16-bit inputs, 16 for fp32, but 32 on sm_80's tiles (mma.sync: operands
+    in registers) with g_gamma (its states in 2 pieces beside its decays in 3: on 64 the
+    walks spilled 268-1124 B at K = 64, in the loop), beside V under 128 (pipelined on 64
+    per-key decays spilled 248-1416 B at K = 50..128, a folding head gate 8 B at K = 50;
+    without gates the model has 32 faster) and with per-key decays over 64 keys at most
+    (faster in the model); SV: the V blocks of the dv walk (all of K), 32 (64 spilled on
+    sm_80), 16 for fp32 (FMA products); warps: 4 in 16 bits (two programs a SM without
+    spills; A's [16, 16] products repeat on fewer warps than at 8), 8 in fp32 (4
+    spilled); chunks: each walk's chunk length, BT; on sm_90 (tuning.wgmma), 16 bits:
     the dv walk on all of V at 8 warps on 32-token chunks (A built once a head instead of
     once a V block, half the serial steps; spilled on sm_80), 16 for fp16 with key decays
     past 64 keys (its tf32 state and A products: 32 spilled 112-372 B in its loop); the
@@ -486,35 +490,43 @@ def config(plan) -> dict:
     without gates under triton 3.6 and in fp16, a sweep candidate); each walk's the
     device table's entry where it has one (`SITES`); fold: the walk that makes dk'
     finishes dq, dk and the gate's gradient itself (no combine pass: dk' never goes to
-    HBM, q, k, v, do are not read again) but where a head gate's gradient would be a sum
-    over its K blocks; stages: each walk's software pipelining (3: the tiles of the chunk
-    after next loaded during this one, the level loops unrolled, since the pipeliner
-    takes no loop that holds a loop; at 2 the next chunk's loads issue at the end of the
-    body, so each run starts waiting on them; at 1 each chunk's loads wait on the shared
-    memory its previous products used), 3 on sm_90 in 16 bits but fp16's dk walk with
-    per-key decays past 96 keys (8 B spilled at K = 128 under triton 3.6), else 1 (the
-    dv walk on sm_80's tiles spilled 15.9 KB pipelined: a sweep candidate elsewhere);
-    fp16 with g_gamma past 64 keys or values: the dq and dk walks at 8 warps (at 4 their
-    states in tf32 pieces spilled 256-312 B), and off sm_90 in 16 bits the dk walk that
-    folds a head gate's gradient (K <= 64) at 8 (at 4 it spilled 92-188 B at K = 50)."""
+    HBM, q, k, v, do are not read again) but where a head gate's or g_gamma's gradient
+    would be a sum over its K blocks; stages: each walk's software pipelining (3: the
+    tiles of the chunk after next loaded during this one, the level loops unrolled, since
+    the pipeliner takes no loop that holds a loop; at 2 the next chunk's loads issue at
+    the end of the body, so each run starts waiting on them; at 1 each chunk's loads wait
+    on the shared memory its previous products used), 3 in 16 bits (sm_80's cp.async as
+    sm_90's wgmma tiles) but where it spilled: fp16's dk walk with per-key decays past 96
+    keys (8 B at K = 128), and on sm_80's tiles fp16's dk walk with them on V = 32 (32
+    B), the dv walk with them past 64 keys (1.0-1.9 KB) or with both g and gk (56-224 B
+    at K = 50, 64) and the dq walk with both on V = 32 (12-36 B); 1 in fp32; fp16 with
+    g_gamma past 64 keys or values: the dq and dk walks at 8 warps on sm_90 (at 4 their
+    states in tf32 pieces spilled 256-312 B); off sm_90 in 16 bits the dk walk that
+    folds a head gate's gradient (all of K in one block) at 8 warps (at 4 it spilled
+    92-188 B at K = 50)."""
     BK, BV = max(16, next_pow2(plan.K)), max(16, next_pow2(plan.V))
     wide = plan.dtype in ("bfloat16", "float16")
     warps = 4 if wide else 8
     # sm_90: the dv walk on all of V (A's levels built once a head) at 8 warps, on 32-token
     # chunks (half the serial steps)
     whole = wide and tuning.wgmma()
-    bf16 = whole and plan.dtype == "bfloat16"
-    # fp16: the dk walk unpipelined with per-key decays past 96 keys (8 B spilled at
-    # K = 128 under triton 3.6), the dv walk on 16-token chunks with key decays past 64 keys
+    sync = wide and not whole  # sm_80's mma.sync: operands in registers
+    # fp16 on sm_90: the dv walk on 16-token chunks with key decays past 64 keys
     fp16 = whole and plan.dtype == "float16"
     keyed = plan.g == "key" or plan.gk  # per-key decays (fused_chunk.config's name)
-    stages = dict(bwd_dq=3 if whole else 1,
-                  bwd_dk=3 if bf16 or (fp16 and not (keyed and plan.K > 96)) else 1,
-                  bwd_dv=3 if whole else 1)
+    both = plan.g != "none" and plan.gk  # decays in 3 pieces (`supported`)
+    # mma.sync: the dq and dk walks on 32-key blocks with g_gamma, beside V under 128 and
+    # with per-key decays over 64 keys at most
+    narrow = sync and (plan.g_gamma != "none" or BV < 128 or keyed and BK <= 64)
+    SK = min(32 if narrow else 64 if wide else 16, BK)
+    stages = dict(bwd_dq=3 if wide and not (sync and both and BV <= 32) else 1,
+                  bwd_dk=1 if not wide or (plan.dtype == "float16" and keyed and (
+                      plan.K > 96 or sync and BV <= 32)) else 3,
+                  bwd_dv=3 if wide and not (sync and keyed and (BK > 64 or both)) else 1)
     gamma16 = fp16 and plan.g_gamma != "none" and max(plan.K, plan.V) > 64
     # off sm_90, 16 bits: the dk walk that folds a head gate's gradient (all of K in one
     # block) at 8 warps (at 4 it spilled 92-188 B at K = V = 50)
-    head8 = wide and not whole and plan.g == "head" and BK <= 64
+    head8 = sync and plan.g == "head" and SK >= plan.K
     dv16 = fp16 and key_gated(plan) and BK > 64
     knobs = {site: tuning.pick(plan, "fused_chunk", site,
                                dict(num_warps=8 if gamma16 or (head8 and site == "bwd_dk")
@@ -527,7 +539,6 @@ def config(plan) -> dict:
                                        with_dk=False,
                                        stages=stages["bwd_dv"]))
     SV = min(knobs["bwd_dv"]["SV"], BV)
-    SK = min(64 if wide else 16, BK)
     summed = plan.g == "head" or plan.g_gamma != "none"  # gradients summed over K
     with_dk = bool(knobs["bwd_dv"]["with_dk"]) and SV >= BV
     return dict(BK=BK, BV=BV, SK=SK, SV=SV,
