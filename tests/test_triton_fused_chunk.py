@@ -168,7 +168,12 @@ def test_bf16_key_decays_past_64_keys_on_16_token_chunks():
     # tiles with per-key decays at K = 64
     ("gv-bf16-64", "bfloat16", 64, None, dict(BKI=64, num_warps=8, BT=32)),
     ("gv-fp16-100", "float16", 100, None, dict(BKI=64, num_warps=8, BT=32)),
-    ("fp16-32", "float16", 32, None, dict(num_warps=4, BT=32)),
+    ("fp16-32", "float16", 32, None, dict(num_warps=4, BT=32, stages=3)),
+    # without decays the chunk loop pipelined (fp16 past 64 keys at 2 stages, bf16 at 8
+    # warps), but at K = 16
+    ("bare-bf16-96", "bfloat16", 96, None, dict(BKI=64, num_warps=8, stages=3, BT=32)),
+    ("bare-fp16-96", "float16", 96, None, dict(BKI=64, num_warps=4, stages=2, BT=32)),
+    ("bare-bf16-16", "bfloat16", 16, None, dict(num_warps=4, stages=1, BT=32)),
     ("lean-bf16-64", "bfloat16", 64, None, dict(BKI=64, num_warps=8, BT=32)),
     # fp16's lean tiles as bf16's: per-key decays past 64 keys at 4 warps on 16-token
     # chunks (8 warps on 32 spilled in the loop), a head gate at K <= 32 on 8 warps

@@ -314,7 +314,10 @@ def config(plan) -> dict:
     used, and at 2 the next chunk's loads issue at the end of the body, so the next run
     starts waiting on them): the key blocks and level loops unrolled, since Triton's
     pipeliner takes no loop that holds a loop (so never with gv's value levels or K
-    split; elsewhere 1, the unrolled products spilling beside narrower tiles).
+    split); with sm_80's mma.sync the lean tiles without decays pipelined too (fp16 past
+    64 keys at 2 stages, bf16 past 64 keys at 8 warps: at 4 it spilled 12-60 B outside
+    the loop; not at K = 16: 48 B in it); elsewhere 1, the unrolled products spilling
+    beside narrower tiles.
     Chunks of BT = 32 tokens but 16 where 32 spilled with sm_80's mma.sync (operands in
     registers; `tuning.wgmma` false, as on the CPU): bf16 and the lean tiles with per-key
     decays over more than 64 keys (bf16's lean tiles: 0.6 KB spilled at K = 128 on
@@ -340,6 +343,10 @@ def config(plan) -> dict:
     # decays the same for every key: pipelined on key blocks of all of K, but past 128
     # keys with mma.sync (352-784 B spilled in the loop at K = 256)
     scalar = lean and not per_key and (wgmma or BK <= 128)
+    # no decays with mma.sync: the lean tiles pipelined too, bf16 past 64 keys at 8 warps
+    # (at 4: 12-60 B spilled outside the loop), fp16's at 2 stages (the model's chain at 3:
+    # 0.517 against 0.257 ms at K = 128), not at K = 16 (48 B spilled in the loop)
+    bare = lean and not key_gated(plan) and not wgmma and BK >= 32
     BV = min(16 if split and half and plan.gv else 64 if wide or (gv16 and wgmma)
              else 32, max(16, next_pow2(plan.V)))
     # all of V in one block on sm_90 (A built once a head, not once a V block), in bf16
@@ -362,6 +369,7 @@ def config(plan) -> dict:
     # K <= 32 on 4, as the lean tiles (8 spilled 48-72 B: fp16 without gates, bf16 with
     # every gate)
     warps = (8 if whole or (lean and not wgmma and keyed and BK == 64)
+             or (bare and plan.dtype == "bfloat16" and BK > 64)
              else 4 if lean or (half and split) or (gv16 and per_key and not wgmma and BK <= 32)
              else 8)
     # gv in 16 bits: every level from 64-key blocks, as the lean tiles (32 spilled 24-60 B
@@ -371,7 +379,8 @@ def config(plan) -> dict:
            else chunk.intra_bk(plan))
     knobs = tuning.pick(plan, "fused_chunk", "fused_chunk_fwd_kernel",
                         dict(num_warps=warps, BKI=bki, BV=128 if whole else BV,
-                             stages=3 if whole or scalar else 1, BT=bt))
+                             stages=(2 if bare and plan.dtype == "float16" and BK > 64
+                                     else 3 if whole or scalar or bare else 1), BT=bt))
     BV = min(knobs["BV"], max(16, next_pow2(plan.V)))
     return dict(BK=BK, BKI=min(BK, knobs["BKI"]), BV=BV, NV=-(-plan.V // BV),
                 num_warps=knobs["num_warps"],
