@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 import bridge.kernels  # noqa: E402,F401  (decides the interpreter before triton is imported)
 from bridge import contract, grads, torch_runner, tuning  # noqa: E402
 from bridge.kernels import family, fused_chunk, fused_chunk_bwd  # noqa: E402
+from bridge.kernels.common import next_pow2  # noqa: E402
 from parity import backends, cases  # noqa: E402
 from parity.compare import assert_close, errors, rel_err, tolerance  # noqa: E402
 # the chunk family's cases: every gate kind, reverse, varlen with empty and one-token
@@ -358,7 +359,7 @@ def test_gamma_walks(case, dtype, device):
         wide16 = dtype == "float16" and max(case.K, case.V) > 64 and device.startswith("9")
         assert launches[0].num_warps == (8 if wide16 else 4)
         block = 64 if device.startswith("9") else 32
-        assert launches[0].constexprs["BK"] == min(block, max(16, 1 << (case.K - 1).bit_length()))
+        assert launches[0].constexprs["BK"] == min(block, max(16, next_pow2(case.K)))
         folded = launches[-1].kernel.__name__ != "fused_chunk_bwd_combine_kernel"
         assert folded == (case.K <= block)
         assert_close(run_case(case, dtype, backward=True), dtype)

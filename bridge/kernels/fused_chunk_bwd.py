@@ -520,8 +520,8 @@ def config(plan) -> dict:
     narrow = sync and (plan.g_gamma != "none" or BV < 128 or keyed and BK <= 64)
     SK = min(32 if narrow else 64 if wide else 16, BK)
     stages = dict(bwd_dq=3 if wide and not (sync and both and BV <= 32) else 1,
-                  bwd_dk=1 if not wide or (plan.dtype == "float16" and keyed and (
-                      plan.K > 96 or sync and BV <= 32)) else 3,
+                  bwd_dk=3 if wide and not (plan.dtype == "float16" and keyed and (
+                      plan.K > 96 or sync and BV <= 32)) else 1,
                   bwd_dv=3 if wide and not (sync and keyed and (BK > 64 or both)) else 1)
     gamma16 = fp16 and plan.g_gamma != "none" and max(plan.K, plan.V) > 64
     # off sm_90, 16 bits: the dk walk that folds a head gate's gradient (all of K in one
