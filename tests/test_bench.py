@@ -242,6 +242,23 @@ def test_peak_memory_sees_a_known_allocation():
     assert timing.peak_memory_bytes(lambda: np.ones(1000)) < 0.1 * n
 
 
+def test_tensor_peak_counts_what_is_alive_at_once():
+    """Two n-float tensors alive together, then one freed: the peak is exactly 2 of them,
+    however often it runs; nothing allocated reads 0."""
+    import torch
+
+    n = 1 << 20
+
+    def two_then_one():
+        a = torch.ones(n)
+        b = a + a
+        del a
+        return b * b  # a third while b is alive: still two at once
+
+    assert [timing.peak_tensor_bytes(two_then_one) for _ in range(3)] == [8 * n] * 3
+    assert timing.peak_tensor_bytes(lambda: None) == 0
+
+
 def test_bad_arguments_are_rejected():
     from parity.bench.__main__ import parse
 

@@ -11,6 +11,10 @@ high-water mark (writing 5 to /proc/self/clear_refs resets VmHWM), then
 peak = VmHWM after the call - VmRSS before it. It counts every byte the call
 touches that was not already resident: temporaries and outputs, for torch and
 XLA alike. Where the reset is not allowed the column says so.
+
+Tensor peak (tests): the most bytes of torch tensors alive at once during a
+call beyond those alive before it, from the profiler's allocation events; the
+same on every run whatever glibc's arenas and the machine's load do.
 """
 
 import ctypes
@@ -51,6 +55,23 @@ def peak_memory_bytes(fn, tries: int = 1) -> int:
         peaks.append(max(_status_kib("VmHWM") - before, 0) * 1024)
         del out
     return min(peaks)
+
+
+def peak_tensor_bytes(fn) -> int:
+    """Most bytes of torch tensors allocated during one call of fn() and alive at once
+    (its outputs included), from torch.profiler's allocation and free events in order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    del out
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    alive = peak = 0
+    for e in events:
+        alive += e.nbytes()  # negative for a free
+        peak = max(peak, alive)
+    return peak
 
 
 def timed(fn) -> float:
