@@ -141,15 +141,17 @@ def _kept(plan, mode) -> tuple:
 
 
 def _execute(plan, mode, stage, env):
-    """Run one stage ("fwd" or "bwd") of the kernels on a dict of arrays (absent
-    inputs left out). fwd -> {o, final_state, kept buffers}; bwd -> {input name:
-    gradient}."""
+    """Run one stage ("fwd", "primal" or "bwd") of the kernels on a dict of arrays (absent
+    inputs left out). fwd -> {o, final_state, kept buffers}; primal (no backward follows:
+    nothing kept) -> {o, final_state}; bwd -> {input name: gradient}."""
     kept = _kept(plan, mode)
     env = {n: env.get(n) for n in (*INPUTS, "cu_seqlens", "final_state", "do",
                                    "dfinal_state", *kept)}
     kernels = family(mode)
     if stage == "fwd":
         return run(kernels.forward_launches(plan), env, ("o", "final_state", *kept))
+    if stage == "primal":
+        return run(kernels.forward_launches(plan, keep=False), env, ("o", "final_state"))
     launches = kernels.backward_launches(plan, use_dht=True, kept=kept)
     made = {o.name for launch in launches for o in launch.writes()}
     got = grads.assemble(plan, run(launches, env, [n for n in grads.BUFFERS if n in made]))
@@ -225,8 +227,10 @@ def unfold(plan, n, out):
 def triton_kernels(plan, mode, inputs, cu_seqlens):
     """The kernels of `mode` ("chunk" or "fused_recurrent") on `inputs`, the arrays of
     `bridge.contract.INPUTS` by name (batched layout, absent ones None): (o [B,T,H,V] in
-    q's dtype, final_state [N,H,K,V] fp32). Differentiable in every floating input."""
-    return _forward(plan, mode, inputs, cu_seqlens)[0]
+    q's dtype, final_state [N,H,K,V] fp32). Differentiable in every floating input.
+    Undifferentiated it keeps nothing for a backward (stage "primal")."""
+    out = _batchable(plan, mode, "primal")(_present(cu_seqlens=cu_seqlens, **inputs))
+    return out["o"], out["final_state"]
 
 
 def _present(**arrays):

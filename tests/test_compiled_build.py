@@ -335,11 +335,17 @@ def test_trip_counts_follow_dtypes(tmp_path, monkeypatch):
 # V at 8 warps and sm_80's lean tiles at 4; with decays the same for every key the
 # pipelined tiles at 4): ptxas keeps values that live across the chunk loop (from the
 # thread index, for the final state's store) in local memory, stored before the loop and
-# loaded after it, never inside it
-_POST_LOOP_FWD_SPILLS = {(90, "bf16", "key", 96): 12, (90, "bf16", "key", 128): 12,
-                         (80, "bf16", "key", 96): 36, (80, "fp16", "key", 96): 48,
-                         (80, "fp16", "key", 128): 24, (80, "bf16", "head", 128): 12,
-                         (90, "fp16", "gamma", 96): 12}
+# loaded after it, never inside it; by (arch, dtype, gates, K = V, whether the forward
+# keeps A for the backward: fused_chunk.kept), the most under any supported Triton
+_POST_LOOP_FWD_SPILLS = {(90, "bf16", "key", 96, False): 12, (90, "bf16", "key", 128, False): 12,
+                         (80, "bf16", "key", 96, False): 36, (80, "fp16", "key", 96, False): 48,
+                         (80, "fp16", "key", 128, False): 24,
+                         (80, "bf16", "head", 128, False): 12,
+                         (90, "fp16", "gamma", 96, False): 12,
+                         (90, "bf16", "key", 96, True): 12, (90, "bf16", "key", 128, True): 24,
+                         (90, "fp16", "key", 96, True): 12, (90, "fp16", "key", 128, True): 12,
+                         (80, "bf16", "key", 96, True): 48, (80, "fp16", "key", 96, True): 24,
+                         (80, "fp16", "key", 128, True): 24}
 
 _FUSED_CHUNK_16 = '''
 import json
@@ -355,14 +361,19 @@ with build.for_arch(90):  # sm_90's own tiles (tuning.wgmma)
                 continue  # spills (SPEC.md): its state and A products in fp32
             for KV in (64, 128):
                 plan = report.report_plan((1, 64, 2, KV, KV), dtype, gates)
-                launches = fam.forward_launches(plan) + fam.backward_launches(plan, True)
+                # the forward and backward as autograd runs them, and the forward without
+                # a backward where it differs (it keeps no A)
+                fwd, infer = fam.forward_launches(plan), fam.forward_launches(plan, keep=False)
+                launches = (fwd + (infer if infer != fwd else [])
+                            + fam.backward_launches(plan, True, fam.kept(plan)))
                 dtypes = build.tensor_dtypes(plan, [launches])
                 for launch in launches:
                     r = build.compile_launch(launch, plan, 90, dtypes=dtypes)
-                    name = launch.kernel.__name__ + (".dv" if launch.constexprs.get("DV") else "")
-                    out.append([dtype, gates, KV, name, launch.num_warps,
-                                launch.constexprs.get("BV"), launch.constexprs.get("BT"),
-                                r["regs"], r["spill_bytes"]])
+                    c = launch.constexprs
+                    name = launch.kernel.__name__ + (".dv" if c.get("DV") else "")
+                    out.append([dtype, gates, KV, name, launch.num_warps, c.get("BV"),
+                                c.get("BT"), r["regs"], r["spill_bytes"],
+                                bool(c.get("KEEP_A") or c.get("KEPT"))])
 print(json.dumps(out))
 '''
 
@@ -377,16 +388,19 @@ def test_fused_chunk_16bit_plans_build_without_spills_on_sm90(tmp_path):
     8 warps, and so fp16's forward (with per-key decays on 16-token chunks at V = 128),
     with decays the same for every key (a head gate, g_gamma) on 32-wide V blocks;
     the dq and dk walks at 4 warps on 16-token chunks (8 for fp16's g_gamma at 128), the
-    dv walk on all of V at 8 on 32-token chunks (16 in fp16 with key decays at 128). The
-    bf16 forward with per-key decays at
-    K = V = 128 spills only the bytes `_POST_LOOP_FWD_SPILLS` allows (outside its loop:
-    the 16-bit forward test checks)."""
+    dv walk on all of V at 8 on 32-token chunks (16 in fp16 with key decays at 128), with
+    per-key decays from the A the forward keeps. The forward with per-key decays at K = V
+    = 128 spills only the bytes `_POST_LOOP_FWD_SPILLS` allows (outside its loop: the
+    16-bit forward test checks)."""
     got = _compiled_json(tmp_path, _FUSED_CHUNK_16, timeout=1800)
     assert len({(d, g, kv) for d, g, kv, *_ in got}) == 18
-    spilled = [row for row in got if row[-1] != 0 and not (
+    spilled = [row for row in got if row[8] != 0 and not (
         row[3] == "fused_chunk_fwd_kernel"
-        and row[-1] <= _POST_LOOP_FWD_SPILLS.get((90, *row[:3]), 0))]
+        and row[8] <= _POST_LOOP_FWD_SPILLS.get((90, *row[:3], row[9]), 0))]
     assert not spilled, spilled
+    kept = {(d, g, kv, name) for d, g, kv, name, *_, keep in got if keep}
+    assert kept == {(d, "key", kv, n) for d in ("bf16", "fp16") for kv in (64, 128)
+                    for n in ("fused_chunk_fwd_kernel", "fused_chunk_bwd_dkv_kernel.dv")}
     lean = {(g, kv): (w, bv) for d, g, kv, name, w, bv, bt, *_ in got
             if d == "bf16" and g != "all" and name == "fused_chunk_fwd_kernel"}
     assert len(lean) == 8
@@ -419,17 +433,21 @@ def test_fused_chunk_16bit_plans_build_without_spills_on_sm90(tmp_path):
 _DV_MASKED_KEYS = '''
 import json
 from parity.compiled import build, report
-from bridge.kernels import fused_chunk_bwd
+from bridge.kernels import fused_chunk, fused_chunk_bwd
 
 out = []
 with build.for_arch(90):
     for dtype, gates in (("bf16", "key"), ("bf16", "gamma"), ("fp16", "gamma"), ("bf16", "head")):
         for K, V in ((68, 68), (98, 98), (100, 80), (96, 128), (96, 96)):
             plan = report.report_plan((1, 64, 2, K, V), dtype, gates)
-            launch = [x for x in fused_chunk_bwd.launches(plan, True) if x.constexprs.get("DV")][0]
-            r = build.compile_launch(launch, plan, 90,
-                                     dtypes=build.tensor_dtypes(plan, [[launch]]))
-            out.append([dtype, gates, K, V, launch.constexprs["BT"], r["spill_bytes"]])
+            kept = fused_chunk.kept(plan)  # with per-key decays also the dv walk of the kept A
+            for keep in {(), kept}:
+                launch = [x for x in fused_chunk.backward_launches(plan, True, keep)
+                          if x.constexprs.get("DV")][0]
+                dtypes = build.tensor_dtypes(plan, [fused_chunk.forward_launches(plan), [launch]])
+                r = build.compile_launch(launch, plan, 90, dtypes=dtypes)
+                out.append([dtype, gates, K, V, launch.constexprs["BT"], bool(keep),
+                            r["spill_bytes"]])
 print(json.dumps(out))
 '''
 
@@ -437,14 +455,16 @@ print(json.dumps(out))
 @pytest.mark.matrix
 def test_fused_chunk_dv_walk_with_masked_keys_builds_without_spills_on_sm90(tmp_path):
     """fused_chunk's dv walk on sm_90 with K short of its power-of-two block (68, 96, 98,
-    100) beside V = K, fewer and more values, bf16 and fp16, per-key and per-head decays:
-    no spills, bf16 on 32-token chunks (before its A came from the forward's construction,
-    intra.py, 32-token chunks spilled 8-104 B in the loop there under triton 3.6.0 or
-    3.7.1 where the keys were not in whole 16-column pieces or fewer than the values)."""
+    100) beside V = K, fewer and more values, bf16 and fp16, per-key and per-head decays
+    (per-key: A built in the walk and the A the forward kept): no spills, bf16 on
+    32-token chunks (before its A came from the forward's construction, intra.py,
+    32-token chunks spilled 8-104 B in the loop there under triton 3.6.0 or 3.7.1 where
+    the keys were not in whole 16-column pieces or fewer than the values)."""
     got = _compiled_json(tmp_path, _DV_MASKED_KEYS, timeout=900)
-    assert len(got) == 20
+    assert len(got) == 25 and {(g, K, V) for d, g, K, V, bt, keep, _ in got if keep} == {
+        ("key", 68, 68), ("key", 98, 98), ("key", 100, 80), ("key", 96, 128), ("key", 96, 96)}
     assert [row for row in got if row[-1]] == []
-    assert {(d, bt) for d, g, K, V, bt, _ in got} == {("bf16", 32), ("fp16", 16)}
+    assert {(d, bt) for d, g, K, V, bt, *_ in got} == {("bf16", 32), ("fp16", 16)}
 
 
 # fused_chunk's walks on sm_80 (mma.sync: operands in registers; the CPU's plans too):
@@ -453,7 +473,7 @@ def test_fused_chunk_dv_walk_with_masked_keys_builds_without_spills_on_sm90(tmp_
 _WALKS_SM80 = '''
 import dataclasses, json
 from parity.compiled import build, report
-from bridge.kernels import fused_chunk_bwd
+from bridge.kernels import fused_chunk, fused_chunk_bwd
 
 out = []
 with build.for_arch(80):
@@ -466,12 +486,18 @@ with build.for_arch(80):
                                           "none" if "gk" in gates else gates)
                 if "gk" in gates:
                     plan = dataclasses.replace(plan, gk=True, g="head" if "+" in gates else "none")
+                # A built in the dv walk, and (".dv-kept") the dv walk of the kept A
                 launches = fused_chunk_bwd.launches(plan, True)
-                dtypes = build.tensor_dtypes(plan, [launches])
+                if fused_chunk.kept(plan):
+                    launches += [x for x in fused_chunk.backward_launches(
+                        plan, True, fused_chunk.kept(plan)) if x.constexprs.get("DV")]
+                dtypes = build.tensor_dtypes(plan, [fused_chunk.forward_launches(plan),
+                                                    launches])
                 for launch in launches:
                     r = build.compile_launch(launch, plan, 80, dtypes=dtypes)
                     c = launch.constexprs
-                    name = launch.kernel.__name__ + (".dv" if c.get("DV") else "")
+                    name = launch.kernel.__name__ + (".dv-kept" if c.get("KEPT") else
+                                                     ".dv" if c.get("DV") else "")
                     out.append([dtype, gates, K, V, name, launch.num_warps, c.get("BK"),
                                 c.get("BV"), c.get("STAGES"), r["spill_bytes"]])
 print(json.dumps(out))
@@ -487,7 +513,8 @@ def test_fused_chunk_walks_build_without_spills_on_sm80(tmp_path):
     with g_gamma (on 64 they spilled 248-1416 B pipelined with per-key decays and
     268-1124 B with g_gamma, 8 B with a head gate at K = 50), the walks pipelined but the
     dv walk with per-key decays past 64 keys or g and gk together (1.0-1.9 KB, 56-224 B)
-    and fp16's dk walk with per-key decays past 96 keys."""
+    and fp16's dk walk with per-key decays past 96 keys; with per-key decays the dv walk
+    that loads the A the forward kept pipelined everywhere (".dv-kept")."""
     got = _compiled_json(tmp_path, _WALKS_SM80, timeout=1800)
     assert len({tuple(row[:4]) for row in got}) == 2 * (5 * 5 + 2)
     assert [row for row in got if row[-1]] == []
@@ -499,6 +526,12 @@ def test_fused_chunk_walks_build_without_spills_on_sm80(tmp_path):
     assert walks["bf16", "key", 128, 128, "fused_chunk_bwd_dkv_kernel.dv"] == (128, 1)
     assert walks["fp16", "head+gk", 64, 64, "fused_chunk_bwd_dkv_kernel.dv"] == (64, 1)
     assert walks["bf16", "head", 128, 128, "fused_chunk_bwd_dkv_kernel.dv"] == (128, 3)
+    kept = {k[:4]: st for k, (bk, st) in walks.items() if k[4].endswith(".dv-kept")}
+    assert set(kept) == {(d, g, K, V) for d in ("bf16", "fp16")
+                         for g in ("key", "gk") for K, V in ((128, 128), (100, 100), (64, 64),
+                                                             (50, 50), (100, 64))} | {
+        (d, "head+gk", K, K) for d in ("bf16", "fp16") for K in (64, 50)}
+    assert set(kept.values()) == {3}
 
 
 _FUSED_CHUNK_16_FWD = '''
@@ -513,17 +546,18 @@ for arch in (80, 90):
             for gates in ("key", "head", "none", "gamma", "gv", "all"):
                 for KV in (32, 64, 96, 128):
                     plan = report.report_plan((1, 64, 2, KV, KV), dtype, gates)
-                    launches = fused_chunk.forward_launches(plan)
-                    dtypes = build.tensor_dtypes(plan, [launches])
-                    k = build.compile_source(launches[0], dtypes, arch, True)
-                    spilled = build.ptxas_usage(k.asm["ptx"], arch)["spill_bytes"] or 0
-                    in_loop = None  # local-memory instructions inside a loop of the SASS
-                    if spilled:
-                        ins, labels = sass.parse(sass.disassemble(k.asm["cubin"]))
-                        loops = sass.find_loops(ins, labels)
-                        in_loop = sum(i.op.startswith(("LDL", "STL"))
-                                      and sass.innermost(loops, i.addr) >= 0 for i in ins)
-                    out.append([arch, dtype, gates, KV, spilled, in_loop])
+                    for keep in (False, True) if fused_chunk.kept(plan) else (False,):
+                        launches = fused_chunk.forward_launches(plan, keep=keep)
+                        dtypes = build.tensor_dtypes(plan, [launches])
+                        k = build.compile_source(launches[0], dtypes, arch, True)
+                        spilled = build.ptxas_usage(k.asm["ptx"], arch)["spill_bytes"] or 0
+                        in_loop = None  # local-memory instructions inside a loop of the SASS
+                        if spilled:
+                            ins, labels = sass.parse(sass.disassemble(k.asm["cubin"]))
+                            loops = sass.find_loops(ins, labels)
+                            in_loop = sum(i.op.startswith(("LDL", "STL"))
+                                          and sass.innermost(loops, i.addr) >= 0 for i in ins)
+                        out.append([arch, dtype, gates, KV, keep, spilled, in_loop])
 print(json.dumps(out))
 '''
 
@@ -531,22 +565,23 @@ print(json.dumps(out))
 # 16-bit forward: the tiles where others spilled"), by Triton, but `_POST_LOOP_FWD_SPILLS`:
 # none under 3.7.1; under 3.6 every gate on sm_80, where sm_80's mma.sync keeps its operands
 # in registers (no spill-free tile was found)
-_KNOWN_FWD_SPILLS_3_6 = {(80, d, "all", kv) for d in ("bf16", "fp16") for kv in (96, 128)}
+_KNOWN_FWD_SPILLS_3_6 = {(80, d, "all", kv, False) for d in ("bf16", "fp16") for kv in (96, 128)}
 
 
 @pytest.mark.matrix
 def test_fused_chunk_16bit_forward_spills_only_where_known(tmp_path):
     """fused_chunk's 16-bit forward (its own config, `fused_chunk.config`) at K = V = 32,
     64, 96, 128 with every gate kind, gv alone and every gate at once, built for sm_80 and
-    sm_90 with each arch's tiles: no spills but under triton 3.6 in the plans known to
-    (`_KNOWN_FWD_SPILLS_3_6`), and at most `_POST_LOOP_FWD_SPILLS`' bytes, with no
-    local-memory instruction inside a loop."""
+    sm_90 with each arch's tiles, with per-key decays both with the A it keeps for the
+    backward and without (no backward follows): no spills but under triton 3.6 in the
+    plans known to (`_KNOWN_FWD_SPILLS_3_6`), and at most `_POST_LOOP_FWD_SPILLS`' bytes,
+    with no local-memory instruction inside a loop."""
     import triton
 
     got = _compiled_json(tmp_path, _FUSED_CHUNK_16_FWD, timeout=1800)
-    assert len(got) == 2 * 2 * 6 * 4
+    assert len(got) == 2 * 2 * 6 * 4 + 2 * 2 * 4  # and "key" with A kept
     known = _KNOWN_FWD_SPILLS_3_6 if triton.__version__.startswith("3.6") else set()
-    spilled = {tuple(row[:4]): row[4:] for row in got if row[4]}
+    spilled = {tuple(row[:5]): row[5:] for row in got if row[5]}
     unknown = {p for p in spilled if p not in known and p not in _POST_LOOP_FWD_SPILLS}
     assert not unknown, sorted(unknown)
     post_loop = {p: v for p, v in spilled.items() if p in _POST_LOOP_FWD_SPILLS}

@@ -105,7 +105,10 @@ def _check_structure(rep, plan, launches_of):
         if r["dot_flops"] > 0 or r["bytes"] > 0:
             assert r["lower_bound_us"] > 0, r
         assert r["lower_bound_us"] == pytest.approx(build.lower_bound(r)[0])
-    assert {r["phase"] for r in recs} == {"fwd", "bwd"}
+    # fwd: the forward as autograd runs it; fwd-infer: without a backward, where it differs
+    infer = launches_of.forward_launches(plan, keep=False)
+    assert {r["phase"] for r in recs} == {"fwd", "bwd"} | (
+        {"fwd-infer"} if infer != launches_of.forward_launches(plan) else set())
     assert {r["target"] for r in recs} == {"sm_80", "sm_90"}
     b = rep["lower_bound_us"]
     for phase in ("fwd", "bwd"):
@@ -231,6 +234,27 @@ def test_fused_recurrent_report(tmp_path):
     for r in rep["launches"]:
         if r["dot_flops"] == 0:
             assert r["mma"] == r["wgmma"] == 0, r
+
+
+def test_fused_chunk_report(tmp_path):
+    """fused_chunk with per-key decays: the forward that keeps A (phase fwd) and the one
+    without a backward (fwd-infer), the backward loading A; the workspace is the
+    backward's; the time model's forward is fwd-infer's, its forward+backward fwd's."""
+    from bridge.kernels import fused_chunk
+    from parity.compiled import timemodel
+
+    rep = _finish(_start(tmp_path, "--mode", "fused_chunk", "--shape", _shape_arg(SMALL64),
+                         "--dtype", "bf16"))
+    plan = report.report_plan(SMALL64, "bf16")
+    _check_structure(rep, plan, fused_chunk)
+    assert rep["kept"] == ["A"]
+    recs = timemodel.modelled(rep["launches"])
+    assert {r["phase"] for r in recs} == {"fwd", "fwd-infer", "bwd"}
+    gpu = timemodel.HARDWARE["H200"]
+    each = {p: sum(timemodel.launch_time(r, gpu)["total"] for r in recs if r["phase"] == p)
+            for p in ("fwd", "fwd-infer", "bwd")}
+    assert timemodel.totals(recs, gpu) == pytest.approx(
+        {"fwd": each["fwd-infer"], "bwd": each["bwd"], "fwd+bwd": each["fwd"] + each["bwd"]})
 
 
 def test_lower_bound_arithmetic():

@@ -35,23 +35,26 @@ def default_backward(monkeypatch):
     monkeypatch.delenv("GLA_BRIDGE_FUSED_CHUNK_BWD", raising=False)
 
 
-def run_family(case, arrays, dtype, backward=False, use_dht=True):
+def run_family(case, arrays, dtype, backward=False, use_dht=True, keep=True):
     """{o, final_state[, d<input>]} of fused_chunk's launch lists, float32 NumPy in each
-    quantity's shape."""
+    quantity's shape; keep=False: the forward keeps nothing and the backward builds A
+    again."""
     plan, env, t = cases.launch_env(case, arrays, dtype)
     mod = family("fused_chunk")
-    launches = mod.forward_launches(plan)
+    launches = mod.forward_launches(plan, keep=keep)
+    kept = mod.kept(plan) if keep else ()
     # one launch; past K = 256 (64 in fp32), the K blocks' partial outputs and their sum
     split_k = fused_chunk.SPLIT_K if plan.dtype != "float32" else fused_chunk.SPLIT_K_FP32
     assert [{o.name for o in x.writes()} for x in launches] == (
-        [set(FORWARD)] if plan.K <= split_k else [{"o_part", "final_state"}, {"o"}])
+        [{*FORWARD, *kept}] if plan.K <= split_k else [{"o_part", "final_state"}, {"o"}])
     torch_runner.run(launches, env)
     assert env["o"].dtype == t["q"].dtype and env["final_state"].dtype == torch.float32
     out = {"o": env["o"], "final_state": env["final_state"]}
     if backward:
         if not use_dht:
             env.pop("dfinal_state")
-        bwd = mod.backward_launches(plan, use_dht, mod.kept(plan))
+        bwd = mod.backward_launches(plan, use_dht, kept)
+        assert any(x.constexprs.get("KEPT") for x in bwd) == bool(kept)
         on_chip = fused_chunk_bwd.supported(plan)
         assert on_chip == any(x.kernel is fused_chunk_bwd.fused_chunk_bwd_dkv_kernel
                               for x in bwd), [x.kernel.__name__ for x in bwd]
@@ -62,12 +65,12 @@ def run_family(case, arrays, dtype, backward=False, use_dht=True):
             for n, x in out.items()}
 
 
-def run_case(case, dtype="float32", seed=0, backward=False, use_dht=True):
+def run_case(case, dtype="float32", seed=0, backward=False, use_dht=True, keep=True):
     """{quantity: relative error} against the oracle on the same rounded inputs."""
     arrays = backends.prepared(case, dtype, seed)
     if not use_dht:
         arrays["dfinal_state"] = np.zeros_like(arrays["dfinal_state"])
-    got = run_family(case, arrays, dtype, backward, use_dht)
+    got = run_family(case, arrays, dtype, backward, use_dht, keep)
     want = ORACLE.run(case, arrays, dtype)
     if not backward:
         want = {n: want[n] for n in FORWARD}
@@ -249,6 +252,97 @@ def test_one_token_sequences_and_empty():
 def test_backward_gradients(case):
     """Every gradient through the family's backward plan, against the oracle's."""
     assert_close(run_case(case, backward=True), "float32")
+
+
+def _a_by_definition(q, k, a, scale, bt, starts):
+    """A [T,H,bt] float64 from its definition (intra.py): scale sum_k q_tk k_sk e^(sum of
+    a_rk over s < r <= t) for s <= t in the same bt-token chunk of its sequence, column s's
+    place in that chunk; q, a [T,H,K], k [T,Hk,K] (one sequence after another from
+    `starts`, the sequences' first rows and the total)."""
+    T, H, K = q.shape
+    k = np.repeat(k, H // k.shape[1], axis=1)
+    out = np.zeros((T, H, bt))
+    for bos, eos in zip(starts[:-1], starts[1:]):
+        for t in range(bos, eos):
+            c0 = bos + (t - bos) // bt * bt
+            for s in range(c0, t + 1):
+                decay = np.exp(a[s + 1:t + 1].sum(0))  # [H, K]
+                out[t, :, s - c0] = scale * (q[t] * k[s] * decay).sum(-1)
+    return out
+
+
+KEPT_CASES = [C("kept", T=70, H=2, Hk=1, K=24, V=8, g="key", initial_state=True),
+              C("kept-gk-varlen", H=2, Hk=2, K=16, V=8, gk=True, seqlens=(40, 0, 1, 29),
+                packed=True)]
+
+
+@pytest.mark.parametrize("case", KEPT_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kept_a_is_a_by_definition(case, dtype):
+    """With per-key decays the forward keeps A [B,T,H,BT] for the dv walk (fused_chunk.kept:
+    fp32, bf16 in bf16): the float64 definition on the same rounded inputs, chunk by
+    chunk of each sequence, within the dtype's tolerance; without `keep` the forward
+    writes o and the final state alone."""
+    arrays = backends.prepared(case, dtype, 0)
+    plan, env, t = cases.launch_env(case, arrays, dtype)
+    assert fused_chunk.kept(plan) == ("A",)
+    launches = fused_chunk.forward_launches(plan)
+    torch_runner.run(launches, env)
+    bt = launches[-1].constexprs["BT"]
+    got = env["A"].double().numpy().reshape(-1, case.H, bt)
+    assert env["A"].dtype == (torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+    f64 = {n: np.asarray(arrays[n], np.float64).reshape(-1, *np.shape(arrays[n])[-2:])
+           for n in ("q", "k", "g" if case.g == "key" else "gk")}
+    starts = np.asarray(arrays["cu_seqlens"]) if case.seqlens else np.array([0, case.T])
+    want = _a_by_definition(f64["q"], f64["k"], f64["g" if case.g == "key" else "gk"],
+                            plan.scale, bt, starts)
+    assert rel_err(got, want) <= tolerance(dtype), rel_err(got, want)
+    plain = fused_chunk.forward_launches(plan, keep=False)
+    assert [{o.name for o in x.writes()} for x in plain] == [set(FORWARD)]
+
+
+@pytest.mark.parametrize("case", [
+    C("again-key-reverse", T=70, H=2, Hk=1, K=24, V=8, g="key", initial_state=True,
+      reverse=True),
+    C("again-gk-varlen", H=2, Hk=2, K=16, V=8, gk=True, seqlens=(40, 0, 1, 29), packed=True)],
+    ids=lambda c: c.name)
+def test_backward_builds_a_again_without_kept(case):
+    """The dv walk builds A itself where the forward kept none (keep=False): every
+    gradient against the oracle's, as with the kept A (test_backward_gradients)."""
+    assert_close(run_case(case, backward=True, keep=False), "float32")
+
+
+def test_kept_rule():
+    """A is kept with per-key decays where the on-chip backward runs and the dv walk's
+    chunks tile the forward's: not for decays the same for every key or none (one
+    product to build again), gv (the chunk list), or K split in the forward; the dv walk
+    then on the forward's chunks (BTF), pipelined."""
+    def plan(K, V, dtype="bfloat16", **gates):
+        return contract.Plan(B=1, T=64, H=2, Hk=2, K=K, V=V, N=1, g=gates.get("g", "none"),
+                             gk=gates.get("gk", False), gv=gates.get("gv", False),
+                             g_gamma=gates.get("g_gamma", "none"), initial_state=False,
+                             scale=0.1, reverse=False, varlen=False, packed=False, dtype=dtype)
+
+    keeps = lambda *a, **g: fused_chunk.kept(plan(*a, **g)) == ("A",)
+    assert keeps(128, 128, g="key") and keeps(64, 64, gk=True) and keeps(64, 64, "float32", g="key")
+    assert not keeps(128, 128, g="head") and not keeps(128, 128)
+    assert not keeps(64, 64, g_gamma="head") and not keeps(64, 64, g="key", gv=True)
+    assert not keeps(128, 128, "float32", g="key")  # the chunk list (fused_chunk_bwd.supported)
+    # the dv walk of the kept A (sm_80's tiles, the CPU's): on the forward's chunks (but
+    # 16 with both g and gk, where 32 spilled) and pipelined past 64 keys too
+    def dv(p):
+        walk = [x for x in fused_chunk.backward_launches(p, True, fused_chunk.kept(p))
+                if x.constexprs.get("DV")]
+        return [(x.constexprs["BT"], x.constexprs["BTF"], x.constexprs["STAGES"]) for x in walk]
+
+    assert dv(plan(128, 128, g="key")) == [(16, 16, 3)]
+    assert dv(plan(64, 64, "float16", g="key")) == [(32, 32, 3)]
+    assert dv(plan(64, 64, g="key", gk=True)) == [(16, 32, 3)]
+    assert dv(plan(64, 64, "float32", g="key")) == [(16, 32, 1)]
+    with tuning.on_device("9.0 Fake GPU"):
+        assert fused_chunk.kept(plan(128, 128, g="key")) == ("A",)
+        assert dv(plan(128, 128, g="key")) == [(32, 32, 3)]
+        assert dv(plan(128, 128, "float16", g="key")) == [(16, 16, 3)]
 
 
 def test_backward_choice(monkeypatch):

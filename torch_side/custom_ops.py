@@ -110,16 +110,17 @@ def checks_offsets(mode, cu_seqlens) -> bool:
     return cu_seqlens is not None and (mode == "torch" or cu_seqlens.device.type == "cpu")
 
 
-def forward(plan, mode, inputs, cu_seqlens):
+def forward(plan, mode, inputs, cu_seqlens, keep=True):
     """The forward of every call, the body of `fwd` and of ops.recurrent's direct calls:
     the torch path or the Triton launches on `inputs` (the arrays by name, as `_named`
     gives them) with their contract Plan (its scale and reverse are read, its `packed`
-    is not). Returns (o, final_state, the kept buffer or None). Autocast is off here: a
-    direct call has none (`direct`), the op turns it off around this."""
+    is not). Returns (o, final_state, the kept buffer or None; None without `keep`, for
+    the direct calls, which no backward follows). Autocast is off here: a direct call has
+    none (`direct`), the op turns it off around this."""
     if mode == "torch":
         o, final_state = recurrent_native(plan, **inputs, cu_seqlens=cu_seqlens)
         return o, final_state, None
-    return triton_launch.forward(plan, mode, inputs, cu_seqlens)
+    return triton_launch.forward(plan, mode, inputs, cu_seqlens, keep=keep)
 
 
 @torch.library.custom_op("gla_bridge::fwd", mutates_args=())

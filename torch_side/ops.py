@@ -128,12 +128,12 @@ def _run(call, inputs, cu_seqlens, *, direct, context_group):
     autograd."""
     plan, kernel = call.plan, call.kernel
     if direct and context_group is None:  # a decoding step's path: nothing around it
-        o, final_state, _ = custom_ops.forward(plan, kernel, inputs, cu_seqlens)
+        o, final_state, _ = custom_ops.forward(plan, kernel, inputs, cu_seqlens, keep=False)
         return dispatch.unbatched(plan, o), final_state
 
     def local(inputs, cu_seqlens):  # (o, final_state) of this rank's pass
         if direct:  # on the Plan checked above (a context slice has the same shapes)
-            return custom_ops.forward(plan, kernel, inputs, cu_seqlens)[:2]
+            return custom_ops.forward(plan, kernel, inputs, cu_seqlens, keep=False)[:2]
         return custom_ops.fwd(**inputs, cu_seqlens=cu_seqlens, scale=plan.scale,
                               reverse=plan.reverse, mode=kernel)[:2]
 

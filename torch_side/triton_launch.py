@@ -42,13 +42,14 @@ def kept_like(plan, mode, q):
                        else dtype)
 
 
-def forward(plan, mode, inputs, cu_seqlens, wrap=False):
+def forward(plan, mode, inputs, cu_seqlens, wrap=False, keep=True):
     """inputs: {name of `bridge.contract.INPUTS`: tensor in the batched layout, contiguous,
     or None}. Returns (o [B,T,H,V] in q's dtype, final_state [N,H,K,V] fp32, the kept
-    buffer (`kept`) or None)."""
-    env = run(family(mode).forward_launches(plan), dict(inputs, cu_seqlens=cu_seqlens),
-              wrap=wrap)
-    name = kept(plan, mode)
+    buffer (`kept`) or None). keep=False: no backward follows (the buffer is None, and
+    fused_chunk does not write its A)."""
+    env = run(family(mode).forward_launches(plan, keep=keep),
+              dict(inputs, cu_seqlens=cu_seqlens), wrap=wrap)
+    name = kept(plan, mode) if keep else None
     return env["o"], env["final_state"], None if name is None else env[name]
 
 

@@ -41,8 +41,10 @@ if INTERPRETED:
 def family(mode: str):
     """The kernel module for a resolved Triton `mode` ("chunk", "fused_recurrent" or
     "fused_chunk"):
-    it provides `forward_launches(plan)`, `kept(plan)` (the forward buffers the backward
-    reuses, which the frameworks keep) and `backward_launches(plan, use_dht, kept)`."""
+    it provides `forward_launches(plan, keep=True)` (keep: also write the buffers `kept`
+    names; False for a forward no backward follows), `kept(plan)` (the forward buffers
+    the backward reuses, which the frameworks keep) and `backward_launches(plan, use_dht,
+    kept)`."""
     if mode == "chunk":
         from . import chunk
 

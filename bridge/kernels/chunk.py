@@ -279,9 +279,10 @@ def output_launch(plan, prime: bool = False) -> Launch:
                    flops=2 * ns * BT * H * V * (K + BT), nbytes=nbytes, PRIME=prime, tuned=tuned)
 
 
-def forward_launches(plan) -> list:
+def forward_launches(plan, keep: bool = True) -> list:
     """Reads q, k, v, [g, gk, gv, g_gamma, initial_state, cu_seqlens]; writes
-    o [B,T,H,V] (q's dtype) and final_state [N,H,K,V] fp32 (h, A on the way)."""
+    o [B,T,H,V] (q's dtype) and final_state [N,H,K,V] fp32 (h, A on the way: A, which
+    `kept` names, whether or not `keep`)."""
     return [*state_launches(plan, backward=False, use_s_in=plan.initial_state, store_out=True),
             intra_launch(plan), output_launch(plan)]
 

@@ -14,9 +14,10 @@ updates S:
 [B,T,H], g_gamma) and no gv A is q k^T times e^(each pair's decay sum: one [BT, BT]
 matrix, common.pair_sums, no levels), and both gates are a factor a row, taken on the
 rows of q S and of v. The final state is the only extra
-write: no per-chunk states h, no A, no gated copies in HBM. The name is the design's
-(flash-linear-attention calls its one-kernel GLA with the state in registers
-`fused_chunk` too): the chunked algebra fused into one kernel.
+write (no per-chunk states h, no gated copies in HBM), but that under autograd with
+per-key decays the forward also writes A [B,T,H,BT] for the backward (`kept`). The
+name is the design's (flash-linear-attention calls its one-kernel GLA with the state in
+registers `fused_chunk` too): the chunked algebra fused into one kernel.
 
 Where those programs are fewer than the device's SMs, each sequence is split into
 segments run by separate programs and their states combined (fused_chunk_split.py: three
@@ -38,11 +39,13 @@ Backward: fused_chunk_bwd.py's walks with S or dh in registers, where they apply
 (fused_chunk_bwd.supported: no gv, K, V <= 128 in 16 bits, g_gamma alone in 16 bits),
 else the chunk family's launch list (chunk.backward_launches, 64-token chunks, which
 recomputes the states h and dh and A into HBM); GLA_BRIDGE_FUSED_CHUNK_BWD=chunk takes
-the chunk list always. Nothing is kept from the forward (autograd holds the inputs).
-The buffers beyond the returned gradients at (8,4096,16,128,128) bf16 (`parity.compiled
---report`'s workspace): 0.268 GB on chip (dq' in fp32; 0.81 GB with the gradients,
-against the chunk family's 1.6 GB with its kept A and fla's 3.1 GB); 1.015 GB
-through the chunk list (h and dh 268 MB each in bf16).
+the chunk list always. Autograd keeps the inputs and, with per-key decays where the
+on-chip walks run, A (`kept`: 33.6 MB in bf16 at (8,4096,16,128,128), a quarter of q),
+which the dv walk loads instead of building A's levels again. The buffers beyond the
+returned gradients at (8,4096,16,128,128) bf16 (`parity.compiled --report`'s
+workspace): 0.268 GB on chip (dq' in fp32; 0.81 GB with the gradients, against the
+chunk family's 1.6 GB with its kept A and fla's 3.1 GB); 1.015 GB through the chunk
+list (h and dh 268 MB each in bf16).
 
 Config: chunks of BT = 32 tokens ([BT, K] operand tiles of 64 rows beside an fp32
 state [128, 64] spilled on sm_90 at 8 warps; the chunk family's h / A stay in HBM
@@ -91,13 +94,13 @@ def _value_gated(b_vf, b, DV: tl.constexpr):
 def fused_chunk_fwd_kernel(
     q, k, v, g, gk, gv, g_gamma, h0, cu_seqlens,
     scale, T,
-    o, ht, la, lb,
+    o, ht, la, lb, a_kept,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BKI: tl.constexpr, BV: tl.constexpr,
     G_MODE: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr, GAMMA_MODE: tl.constexpr,
     USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr,
     LEVELS: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr,
-    NS: tl.constexpr, LOCAL: tl.constexpr,
+    NS: tl.constexpr, LOCAL: tl.constexpr, KEEP_A: tl.constexpr,
 ):
     """One (sequence x head, segment, V block): o [B,T,H,V] (q's dtype) chunk by chunk
     and ht [N,H,K,V] fp32, the state after the sequence (h0 [N,H,K,V] before it).
@@ -108,7 +111,8 @@ def fused_chunk_fwd_kernel(
     and their log decays summed, la [N,H,NS-1,K] (key gates) and lb [N,H,NS-1,V] (gv),
     K in blocks of BK there (the update is independent per key). With K in NK > 1 blocks
     otherwise (NS = 1): o is o_part [B,T,H,NK,V] fp32, each K block's partial, and ht
-    gets each block's rows."""
+    gets each block's rows. KEEP_A: the first V block also writes each chunk's A to
+    a_kept [B,T,H,BT] (its dtype) for the backward (`kept`)."""
     scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     NV: tl.constexpr = (V + BV - 1) // BV
     NK: tl.constexpr = (K + BK - 1) // BK  # 1 but in LOCAL and with K split (config)
@@ -209,7 +213,12 @@ def fused_chunk_fwd_kernel(
                 b_vg, l_v = _value_gated(b_vf, b, DV)
                 b_s *= exp_(l_v)
             else:
-                acc = op_dot(b_a.to(wop), b_v, acc, op, DOT_PREC)
+                b_aw = b_a.to(wop)
+                if KEEP_A:  # as A v takes it (fused_chunk_bwd.kept_a: wop), where it is made
+                    if i_v == 0:
+                        tl.store(tile_ptrs(a_kept, row0, pos, i_h, o_t, H, BT), b_aw,
+                                 mask=mask_t[:, None])
+                acc = op_dot(b_aw, b_v, acc, op, DOT_PREC)
                 b_vg = b_v
             b_o = acc.to(o.dtype.element_ty)
             if not O_LAST:
@@ -387,9 +396,10 @@ def config(plan) -> dict:
                 stages=knobs["stages"] if not plan.gv and not split else 1, BT=knobs["BT"])
 
 
-def forward_launches(plan) -> list:
+def forward_launches(plan, keep: bool = True) -> list:
     """Reads q, k, v, [g, gk, gv, g_gamma, initial_state, cu_seqlens]; writes o
-    [B,T,H,V] (q's dtype) and final_state [N,H,K,V] fp32: one launch, or with the
+    [B,T,H,V] (q's dtype) and final_state [N,H,K,V] fp32 (with `keep`, also what
+    `kept(plan)` names: False for a forward no backward follows): one launch, or with the
     sequences split across programs (fused_chunk_split.py) three, through split_F,
     split_la, split_lb and split_S, or with K split (past SPLIT_K) two, through o_part
     [B,T,H,NK,V] fp32."""
@@ -419,24 +429,28 @@ def forward_launches(plan) -> list:
             scalars=dict(scale=plan.scale, T=T), outputs=dict(dict(la=None, lb=None), **outputs),
             constexprs=dict(dict(flags(plan), BT=bt, BK=c["BK"], BKI=c["BKI"], BV=c["BV"],
                                  LEVELS=levels, DOT_PREC=chunk.dot_precision(),
-                                 STAGES=c["stages"]), **kw),
+                                 STAGES=c["stages"], KEEP_A=False), **kw),
             num_warps=c["num_warps"], num_stages=c["stages"], dot_flops=int(flops),
             bytes=int(nbytes))
 
     final = Out("final_state", (N, H, K, V))
-    o = dict(o=Out("o", (B, T, H, V), "like:q"), ht=final)
+    o = dict(o=Out("o", (B, T, H, V), "like:q"), ht=final, a_kept=None)
+    keep = dict(a_kept=fused_chunk_bwd.kept_a(plan, bt)) if keep and kept(plan) else {}
+    a_bytes = keep["a_kept"].nbytes(plan) if keep else 0
     if NK > 1:  # v and gv read per K block
         part = Out("o_part", (B, T, H, NK, V))
         vside = sum(plan.nbytes(n) for n in plan.inputs() if n in ("v", "gv"))
-        return [launch(NK, dict(o=part, ht=final),
+        return [launch(NK, dict(o=part, ht=final, a_kept=None),
                        reads + (NK - 1) * vside + part.nbytes(plan) + state, flops,
                        h0="initial_state" if plan.initial_state else None,
                        USE_H0=plan.initial_state, NS=1, LOCAL=False),
                 _ksum_launch(plan, NK)]
     if NS == 1:
-        return [launch(1, o, reads + plan.nbytes("o") + state, flops,
+        return [launch(1, dict(o, a_kept=keep.get("a_kept")),
+                       reads + plan.nbytes("o") + state + a_bytes, flops,
                        h0="initial_state" if plan.initial_state else None,
-                       USE_H0=plan.initial_state, NS=1, LOCAL=False)]
+                       USE_H0=plan.initial_state, NS=1, LOCAL=False,
+                       KEEP_A=bool(keep))]
     # the local pass: NS-1 of NS segments of k, v and the gates; no q, no o
     part = (NS - 1) / NS
     kv = sum(plan.nbytes(n) for n in plan.inputs() if n not in ("q", "initial_state"))
@@ -444,12 +458,13 @@ def forward_launches(plan) -> list:
                 lb=Out("split_lb", (N, H, NS - 1, V)) if plan.gv else None)
     bk = min(c["BK"], split.LOCAL_BK)
     local = launch((NS - 1) * -(-K // bk), dict(o=None, ht=Out("split_F", (N, H, NS - 1, K, V)),
-                                                **sums),
+                                                a_kept=None, **sums),
                    part * kv + (NS - 1) * state, part * per_chunk * chunks * K * c["BV"],
                    h0=None, USE_H0=False, NS=NS, LOCAL=True, BK=bk)
-    output = launch(NS, o, reads - state * plan.initial_state + NS * state
-                    + plan.nbytes("o") + state, flops,
-                    h0="split_S", USE_H0=True, NS=NS, LOCAL=False)
+    output = launch(NS, dict(o, a_kept=keep.get("a_kept")),
+                    reads - state * plan.initial_state + NS * state
+                    + plan.nbytes("o") + state + a_bytes, flops,
+                    h0="split_S", USE_H0=True, NS=NS, LOCAL=False, KEEP_A=bool(keep))
     return [local, split.combine_launch(plan, NS), output]
 
 
@@ -465,15 +480,26 @@ def _ksum_launch(plan, NK: int) -> Launch:
 
 
 def kept(plan) -> tuple:
-    """Nothing: the backward recomputes from the inputs (module docstring)."""
-    return ()
+    """The forward's buffers that autograd keeps for the backward (the forward writes
+    them with `keep`): A [B,T,H,BT] (fused_chunk_bwd.kept_a) with per-key decays (A's
+    levels; with decays the same for every key, or none, A is one product, cheaper to
+    build again than to load) where the on-chip backward runs (fused_chunk_bwd.supported)
+    and its dv walk's chunks tile the forward's (its BT at most the forward's, all of K in
+    one forward program): the dv walk loads its chunk's block of A instead of building it
+    again; else nothing."""
+    if not (plan.g == "key" or plan.gk) or not fused_chunk_bwd.supported(plan):
+        return ()
+    c = config(plan)
+    if c["BK"] < plan.K or fused_chunk_bwd.config(plan)["chunks"]["bwd_dv"] > c["BT"]:
+        return ()
+    return ("A",)
 
 
 def backward_launches(plan, use_dht: bool, kept: tuple = ()) -> list:
     """The on-chip backward (fused_chunk_bwd.py) where it takes the plan, else the chunk
-    family's launch list (module docstring); `kept` is `kept(plan)`: empty."""
-    if kept:
-        raise ValueError(f"kept: the fused_chunk backward reuses no forward buffer, got {kept}")
+    family's launch list (module docstring); `kept`: `kept(plan)`, or () to build A again."""
     if fused_chunk_bwd.supported(plan):
-        return fused_chunk_bwd.launches(plan, use_dht)
+        return fused_chunk_bwd.launches(plan, use_dht, config(plan)["BT"] if kept else 0)
+    if kept:
+        raise ValueError(f"kept: the chunk list reuses no fused_chunk buffer, got {kept}")
     return chunk.backward_launches(plan, use_dht, kept=())

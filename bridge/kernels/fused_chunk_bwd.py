@@ -19,8 +19,9 @@ key decays from the chunk start to t (A_t) and from t + 1 to its end, and pairs 
           term, inside a chunk one exact table product (common.seg_sums), across chunks a
           carried [BK] sum;
       DV, per V block (all of K): dv_s = (k_s gated to the end) dS_end + sum_{t>=s} A_ts do_t
-          in v's dtype (fp32 per query head with GQA), A the forward's (intra.py, its
-          diagonal the step's own term), and d(initial_state).
+          in v's dtype (fp32 per query head with GQA), A the forward's (its diagonal the
+          step's own term): the block of the forward's kept A (fused_chunk.kept) that the
+          chunk covers, else built again (intra.py), and d(initial_state).
   fused_chunk_bwd_combine_kernel  the same per (sequence x head) from dk' [B,T,H,K] fp32,
       where the DK walk does not (`config`'s fold: a head gate's or g_gamma's gradient, a
       sum over K, with K in several blocks).
@@ -214,7 +215,7 @@ def _level_mask_t(o_t, h):
 
 @triton.jit
 def fused_chunk_bwd_dkv_kernel(
-    q, k, v, g, gk, g_gamma, cu_seqlens, do, dht, dq_prime, dfa,
+    q, k, v, g, gk, g_gamma, cu_seqlens, do, dht, dq_prime, dfa, a_kept,
     scale, T,
     dk, dv, dh0, dq, da, dg_head, dgamma,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -223,6 +224,7 @@ def fused_chunk_bwd_dkv_kernel(
     USE_H0: tl.constexpr, USE_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
     REVERSE: tl.constexpr, LEVELS: tl.constexpr, DOT_PREC: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, FOLD: tl.constexpr, STAGES: tl.constexpr,
+    KEPT: tl.constexpr, BTF: tl.constexpr,
 ):
     """One (sequence x head, K block, V block), chunks last to first, dS [BK, BV] fp32 in
     registers. DK (all of V, NV = 1): dk' [B,T,H,K] fp32; with FOLD instead the combine's
@@ -230,7 +232,8 @@ def fused_chunk_bwd_dkv_kernel(
     and the gates' gradients (dg_head and dgamma only with all of K, NK = 1). DV (all of
     K, NK = 1):
     dv per query head [B,T,H,V] with the step's own term, and (USE_H0) dh0 [N,H,K,V]
-    fp32."""
+    fp32; KEPT: A from a_kept [B,T,H,BTF], the forward's (its chunks of BTF tokens, a
+    multiple of BT), else built here."""
     scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     i_nh, i_h, i_hk, bos, eos, gamma, base, o_k, o_v, mask_k, mask_v, p_kv = _program(
         cu_seqlens, g_gamma, T, H, HK, K, V, BK, BV, NK, NV, IS_VARLEN, GAMMA_MODE)
@@ -242,7 +245,7 @@ def fused_chunk_bwd_dkv_kernel(
     # pipelined, the dv walk loads q, k and their decays again after A's own loads of them
     # (shared memory or L1 hits, as the forward's k): not live through A's products;
     # unpipelined, once, ahead of A (in flight through its products)
-    LATE: tl.constexpr = STAGES > 1 and DV and not DK
+    LATE: tl.constexpr = STAGES > 1 and DV and not DK and not KEPT
     DT: tl.constexpr = exact_dtype(g.dtype.element_ty, gk.dtype.element_ty, G_MODE, USE_GK,
                                    GAMMA_MODE)
     op: tl.constexpr = op_dtype(q.dtype.element_ty)
@@ -297,9 +300,14 @@ def fused_chunk_bwd_dkv_kernel(
         if DV:
             # A^T do with the forward's A (its diagonal the step's own term), then the
             # chunk end's state gradient through k gated to the end
-            b_a = intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, 0, 1, H, HK, K,
-                        BK, G_MODE, USE_GK, GAMMA_MODE, LEVELS, DOT_PREC, STAGES > 1,
-                        KGATE and not PER_KEY)
+            if KEPT:  # this chunk's block of the forward's chunk (BTF a multiple of BT)
+                b_a = load_tile(a_kept, row0, pos, i_h,
+                                tl.multiple_of((nc - 1 - i) * BT % BTF, BT) + o_t, mask_t,
+                                o_t < BT, H, BTF)
+            else:
+                b_a = intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, 0, 1, H,
+                            HK, K, BK, G_MODE, USE_GK, GAMMA_MODE, LEVELS, DOT_PREC,
+                            STAGES > 1, KGATE and not PER_KEY)
             acc_v = op_dot(tl.trans(b_a).to(wide_dtype(op)), b_do, None, op, DOT_PREC)
             if LATE:
                 a = _key_decays(g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K,
@@ -470,7 +478,7 @@ SITES = {"bwd_dq": dict(num_warps=(4, 8), BT=(16, 32), stages=(2, 3)),
                         with_dk=(False, True), stages=(2, 3))}
 
 
-def config(plan) -> dict:
+def config(plan, a_chunk: int = 0) -> dict:
     """BK, BV: K and V padded to powers of 2; SK: the K blocks of the dq and dk walks (all
     of V), 64 for 16-bit inputs, 16 for fp32, but 32 on sm_80's tiles (mma.sync: operands
     in registers) with g_gamma (its states in 2 pieces beside its decays in 3: on 64 the
@@ -499,7 +507,11 @@ def config(plan) -> dict:
     sm_90's wgmma tiles) but where it spilled: fp16's dk walk with per-key decays past 96
     keys (8 B at K = 128), and on sm_80's tiles fp16's dk walk with them on V = 32 (32
     B), the dv walk with them past 64 keys (1.0-1.9 KB) or with both g and gk (56-224 B
-    at K = 50, 64) and the dq walk with both on V = 32 (12-36 B); 1 in fp32; fp16 with
+    at K = 50, 64) where it builds A's levels itself (a_chunk: the forward's A loaded
+    instead, fused_chunk.kept) and the dq walk with both on V = 32 (12-36 B); 1 in
+    fp32; with the forward's A (a_chunk, its chunk length) the dv walk on the forward's
+    chunks in 16 bits (on sm_80's tiles 32 where 16 was the default, halving its serial
+    steps) but with both g and gk on sm_80's tiles (32 spilled 24-296 B there); fp16 with
     g_gamma past 64 keys or values: the dq and dk walks at 8 warps on sm_90 (at 4 their
     states in tf32 pieces spilled 256-312 B); off sm_90 in 16 bits the dk walk that
     folds a head gate's gradient (all of K in one block) at 8 warps (at 4 it spilled
@@ -522,7 +534,8 @@ def config(plan) -> dict:
     stages = dict(bwd_dq=3 if wide and not (sync and both and BV <= 32) else 1,
                   bwd_dk=3 if wide and not (plan.dtype == "float16" and keyed and (
                       plan.K > 96 or sync and BV <= 32)) else 1,
-                  bwd_dv=3 if wide and not (sync and keyed and (BK > 64 or both)) else 1)
+                  bwd_dv=3 if wide and not (sync and keyed and (BK > 64 or both)
+                                            and not a_chunk) else 1)
     gamma16 = fp16 and plan.g_gamma != "none" and max(plan.K, plan.V) > 64
     # off sm_90, 16 bits: the dk walk that folds a head gate's gradient (all of K in one
     # block) at 8 warps (at 4 it spilled 92-188 B at K = V = 50)
@@ -535,7 +548,8 @@ def config(plan) -> dict:
     knobs["bwd_dv"] = tuning.pick(plan, "fused_chunk", "bwd_dv",
                                   dict(num_warps=8 if whole else warps,
                                        SV=BV if whole else 32 if wide else 16,
-                                       BT=32 if whole and not dv16 else BT,
+                                       BT=(a_chunk if a_chunk and wide and not (sync and both)
+                                           else 32 if whole and not dv16 else BT),
                                        with_dk=False,
                                        stages=stages["bwd_dv"]))
     SV = min(knobs["bwd_dv"]["SV"], BV)
@@ -548,11 +562,21 @@ def config(plan) -> dict:
                 stages={site: k["stages"] for site, k in knobs.items()})
 
 
-def launches(plan, use_dht: bool) -> list:
-    """Reads the forward inputs, do [B,T,H,V] and (use_dht) dfinal_state [N,H,K,V]; writes
-    dq' [B,T,H,K] and dfa [N,H,K] (fp32; dk' too without `config`'s fold) on the way and
-    the buffers bridge.grads reads (module docstring). `supported(plan)` must hold."""
-    c = config(plan)
+def kept_a(plan, bt: int) -> Out:
+    """The forward's A [B,T,H,bt] as the dv walk's A^T do takes it (common.wide_dtype): in
+    q's dtype for bf16 (2 bytes a token, head and chunk position: bt/K times q's size),
+    fp32 for fp16 (its tf32 products) and fp32."""
+    return Out("A", (plan.B, plan.T, plan.H, bt),
+               "like:q" if plan.dtype == "bfloat16" else "float32")
+
+
+def launches(plan, use_dht: bool, a_chunk: int = 0) -> list:
+    """Reads the forward inputs, do [B,T,H,V], (use_dht) dfinal_state [N,H,K,V] and with
+    a_chunk the forward's A [B,T,H,a_chunk] (`kept_a`: its chunk length, a multiple of
+    the dv walk's); writes dq' [B,T,H,K] and dfa [N,H,K] (fp32; dk' too
+    without `config`'s fold) on the way and the buffers bridge.grads reads (module
+    docstring). `supported(plan)` must hold."""
+    c = config(plan, a_chunk)
     B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
     nk, nv = -(-K // c["SK"]), -(-V // c["SV"])
     fl = flags(plan)
@@ -578,7 +602,8 @@ def launches(plan, use_dht: bool) -> list:
         bt = c["chunks"][site]
         chunks = T // bt + N if plan.varlen else B * -(-T // bt)
         levels = bt.bit_length() - 1 if keyed else 1
-        inner = (bt * V + levels * 2 * bt * K if site != "bwd_dv" else levels * bt * (K + V))
+        inner = (bt * V + levels * 2 * bt * K if site != "bwd_dv"
+                 else bt * V if a_chunk else levels * bt * (K + V))
         return int(2 * bt * chunks * H * (2 * K * V + inner))
 
     f32 = tokens * H * K * 4
@@ -619,17 +644,19 @@ def launches(plan, use_dht: bool) -> list:
         *([] if merged else [Launch(
             fused_chunk_bwd_dkv_kernel, grid=(nk * N * H,),
             inputs=dict(q="q", k="k", v="v", **gates, **cu, do="do", dht=dht,
-                        **dk_walk["inputs"]),
+                        **dk_walk["inputs"], a_kept=None),
             scalars=dict(scale=plan.scale, T=T),
             outputs=dict(no_dk, **dk_walk["outputs"], dv=None, dh0=None),
             constexprs=dict(walk["bwd_dk"], BK=c["SK"], BV=c["BV"], NK=nk, NV=1, DK=True,
-                            DV=False, FOLD=fold, STAGES=c["stages"]["bwd_dk"]),
+                            DV=False, FOLD=fold, STAGES=c["stages"]["bwd_dk"], KEPT=False,
+                            BTF=0),
             num_warps=c["warps"]["bwd_dk"], dot_flops=dot_flops("bwd_dk"),
             bytes=int(qkvdo + tokens * H * K * isz + dk_walk["bytes"]))]),
         # the dv walk (with_dk: and dk', all of K and V in one program)
         Launch(fused_chunk_bwd_dkv_kernel, grid=(nv * N * H,),
                inputs=dict(q="q", k="k", v="v", **gates, **cu, do="do", dht=dht,
-                           **(dk_walk["inputs"] if merged else no_dk_in)),
+                           **(dk_walk["inputs"] if merged else no_dk_in),
+                           a_kept="A" if a_chunk else None),
                scalars=dict(scale=plan.scale, T=T),
                outputs=dict(no_dk, **(dk_walk["outputs"] if merged else {}),
                             dv=Out("dv_h", (B, T, H, V), "like:v" if own else "float32"),
@@ -637,11 +664,12 @@ def launches(plan, use_dht: bool) -> list:
                             if plan.initial_state else None),
                constexprs=dict(walk["bwd_dv"], BK=c["BK"], BV=c["SV"], NK=1, NV=nv, DK=merged,
                                DV=True, FOLD=fold and merged,
-                               STAGES=c["stages"]["bwd_dv"]),
+                               STAGES=c["stages"]["bwd_dv"], KEPT=a_chunk > 0, BTF=a_chunk),
                num_warps=c["warps"]["bwd_dv"],
                dot_flops=dot_flops("bwd_dv") + (dot_flops("bwd_dk") if merged else 0),
                bytes=int(qkvdo + tokens * H * K * isz + tokens * H * V * (isz if own else 4)
-                         + (dk_walk["bytes"] if merged else 0))),
+                         + (dk_walk["bytes"] if merged else 0)
+                         + (nv * kept_a(plan, a_chunk).nbytes(plan) if a_chunk else 0))),
         *([] if fold else [Launch(
             fused_chunk_bwd_combine_kernel, grid=(N * H,),
             inputs=dict(q="q", k="k", v="v", do="do", **cu, dq_prime="dq_prime",

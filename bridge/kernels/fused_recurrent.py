@@ -348,9 +348,10 @@ def _knobs(plan, site, num_warps) -> dict:
     return tuning.pick(plan, "fused_recurrent", site, dict(num_warps=num_warps, num_stages=1))
 
 
-def forward_launches(plan) -> list:
+def forward_launches(plan, keep: bool = True) -> list:
     """Reads q, k, v, [g, gk, gv, g_gamma, initial_state, cu_seqlens];
-    writes o [B,T,H,V] (q's dtype) and final_state [N,H,K,V] fp32."""
+    writes o [B,T,H,V] (q's dtype) and final_state [N,H,K,V] fp32 (`keep`: nothing is
+    kept, `kept`)."""
     c = config(plan)
     B, T, H, K, V, N = plan.B, plan.T, plan.H, plan.K, plan.V, plan.N
     return _with_bytes(plan, [Launch(

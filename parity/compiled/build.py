@@ -281,17 +281,21 @@ def sass_fields(compiled, trips, num_warps, arch, regs, shared, trips_error=None
 
 def stages(families, plan):
     """(stage, launches, dtypes) of each family's forward and backward lists for
-    `plan` (and fused_chunk's split forward, "fwd-split"); a buffer the forward writes
-    keeps its dtype in the backward."""
+    `plan` as autograd runs them (the backward with the buffers the forward keeps), the
+    forward without a backward where it differs ("fwd-infer": fused_chunk keeps A) and
+    fused_chunk's split forward ("fwd-split"); a buffer the forward writes keeps its
+    dtype in the backward."""
     for fam in families:
         if dispatch.refusal(plan, fam.__name__.rsplit(".", 1)[1]) is not None:
             continue
-        fwd = fam.forward_launches(plan)
+        fwd, infer = fam.forward_launches(plan), fam.forward_launches(plan, keep=False)
         with tuning.overriding({("fused_chunk", "split"): dict(segments=2)}):
             split = fam.forward_launches(plan)  # fused_chunk's split forward
-        lists = [("fwd", fwd), *([("fwd-split", split)] if split != fwd else []),
-                 ("bwd", fam.backward_launches(plan, use_dht=True)),
-                 ("bwd-nodht", fam.backward_launches(plan, False))]
+        kept = fam.kept(plan)
+        lists = [("fwd", fwd), *([("fwd-infer", infer)] if infer != fwd else []),
+                 *([("fwd-split", split)] if split != fwd else []),
+                 ("bwd", fam.backward_launches(plan, True, kept)),
+                 ("bwd-nodht", fam.backward_launches(plan, False, kept))]
         dtypes = Float32Default(tensor_dtypes(plan, [ls for _, ls in lists], gamma_like_q=True))
         for stage, launches in lists:
             yield stage, launches, dtypes

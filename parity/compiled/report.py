@@ -148,9 +148,12 @@ def report(shape, dtype="bf16", mode="chunk", archs=(80, 90), gates="key", ptx_d
     launches, used, lists, counted = [], set(), {}, {}
     for arch in archs:
         with for_arch(arch):  # the launch lists a device of this arch runs
-            # the backward as the default plan runs it: with the forward's buffers it reuses
+            # the forward and backward as autograd runs them (the backward with the
+            # buffers the forward keeps), and the forward no backward follows where it
+            # differs ("fwd-infer": fused_chunk writes no A there)
             kept = fam.kept(plan)
-            phases = [("fwd", fam.forward_launches(plan)),
+            fwd, infer = fam.forward_launches(plan), fam.forward_launches(plan, keep=False)
+            phases = [("fwd", fwd), *([("fwd-infer", infer)] if infer != fwd else []),
                       ("bwd", fam.backward_launches(plan, True, kept))]
         lists[arch] = phases
         dtypes = tensor_dtypes(plan, [ls for _, ls in phases])
@@ -218,7 +221,7 @@ def report(shape, dtype="bf16", mode="chunk", archs=(80, 90), gates="key", ptx_d
                          N=plan.N),
            "dtype": short, "mode": mode, "gates": gates, "archs": [f"sm_{a}" for a in archs],
            "alignment_hints": hints, "launches": launches, "kept": list(kept),
-           "workspace_bytes": workspace_bytes(plan, lists[bound_arch][1][1]),
+           "workspace_bytes": workspace_bytes(plan, dict(lists[bound_arch])["bwd"]),
            "lower_bound_us": bounds, "lower_bound_target": bound_target,
            "dynamic_warp_instructions": dynamic,
            "peaks": {"tensor_core_flops": PEAK_TC_FLOPS, "tf32_flops": PEAK_TF32_FLOPS,
@@ -243,7 +246,8 @@ def markdown(rep: dict, sass_target=None) -> str:
              f"({rep['lower_bound_target']} PTX), workspace "
              f"{rep['workspace_bytes'] / 2**20:.1f} MiB"
              + (f"; the backward reuses the forward's {', '.join(rep['kept'])} "
-                "(bridge.kernels.chunk.kept)." if rep.get("kept") else "."), "",
+                "(the family's `kept`; phase fwd the forward that writes it, fwd-infer the "
+                "forward no backward follows)." if rep.get("kept") else "."), "",
              "| phase | kernel | target | grid | warps/stages | regs | spill B | smem KiB "
              "| mma | wgmma | types | GFLOP | MB | bound us |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

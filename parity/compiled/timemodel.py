@@ -225,11 +225,14 @@ def _time(rec: dict, gpu: Gpu) -> dict:
 
 
 def totals(recs, gpu: Gpu) -> dict:
-    """{"fwd", "bwd", "fwd+bwd": seconds} of launch records (their "phase")."""
-    out = {p: sum(launch_time(r, gpu)["total"] for r in recs if r["phase"] == p)
-           for p in ("fwd", "bwd")}
-    out["fwd+bwd"] = out["fwd"] + out["bwd"]
-    return out
+    """{"fwd", "bwd", "fwd+bwd": seconds} of launch records (their "phase"): fwd the forward
+    no backward follows ("fwd-infer" where the records have one, else "fwd"), fwd+bwd the
+    forward as autograd runs it ("fwd", which writes what the backward reuses) and "bwd"."""
+    t = {p: sum(launch_time(r, gpu)["total"] for r in recs if r["phase"] == p)
+         for p in ("fwd", "fwd-infer", "bwd")}
+    infer = any(r["phase"] == "fwd-infer" for r in recs)
+    return {"fwd": t["fwd-infer"] if infer else t["fwd"], "bwd": t["bwd"],
+            "fwd+bwd": t["fwd"] + t["bwd"]}
 
 
 def modelled(recs) -> list:
