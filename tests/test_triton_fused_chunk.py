@@ -276,18 +276,36 @@ KEPT_CASES = [C("kept", T=70, H=2, Hk=1, K=24, V=8, g="key", initial_state=True)
                 packed=True)]
 
 
+def _transposed_by_chunk(a, bt, starts):
+    """A^T of `_a_by_definition`'s A [T,H,bt]: row s, column t's place in s's chunk (0
+    past the sequence's end)."""
+    out = np.zeros_like(a)
+    for bos, eos in zip(starts[:-1], starts[1:]):
+        for s in range(bos, eos):
+            c0 = bos + (s - bos) // bt * bt
+            for j in range(min(bt, eos - c0)):
+                out[s, :, j] = a[c0 + j, :, s - c0]
+    return out
+
+
 @pytest.mark.parametrize("case", KEPT_CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_kept_a_is_a_by_definition(case, dtype):
+@pytest.mark.parametrize("device", ["8.0 Fake GPU", "9.0 Fake GPU"], ids=("sm80", "sm90"))
+def test_kept_a_is_a_by_definition(case, dtype, device):
     """With per-key decays the forward keeps A [B,T,H,BT] for the dv walk (fused_chunk.kept:
-    fp32, bf16 in bf16): the float64 definition on the same rounded inputs, chunk by
-    chunk of each sequence, within the dtype's tolerance; without `keep` the forward
-    writes o and the final state alone."""
+    fp32, bf16 in bf16; on sm_90's tiles as A^T, fused_chunk_bwd.kept_transposed): the
+    float64 definition on the same rounded inputs, chunk by chunk of each sequence,
+    within the dtype's tolerance; without `keep` the forward writes o and the final
+    state alone."""
     arrays = backends.prepared(case, dtype, 0)
-    plan, env, t = cases.launch_env(case, arrays, dtype)
-    assert fused_chunk.kept(plan) == ("A",)
-    launches = fused_chunk.forward_launches(plan)
-    torch_runner.run(launches, env)
+    with tuning.on_device(device):
+        plan, env, t = cases.launch_env(case, arrays, dtype)
+        assert fused_chunk.kept(plan) == ("A",)
+        launches = fused_chunk.forward_launches(plan)
+        transposed = fused_chunk_bwd.kept_transposed()
+        assert transposed == device.startswith("9")
+        torch_runner.run(launches, env)
+        plain = fused_chunk.forward_launches(plan, keep=False)
     bt = launches[-1].constexprs["BT"]
     got = env["A"].double().numpy().reshape(-1, case.H, bt)
     assert env["A"].dtype == (torch.bfloat16 if dtype == "bfloat16" else torch.float32)
@@ -296,8 +314,9 @@ def test_kept_a_is_a_by_definition(case, dtype):
     starts = np.asarray(arrays["cu_seqlens"]) if case.seqlens else np.array([0, case.T])
     want = _a_by_definition(f64["q"], f64["k"], f64["g" if case.g == "key" else "gk"],
                             plan.scale, bt, starts)
+    if transposed:
+        want = _transposed_by_chunk(want, bt, starts)
     assert rel_err(got, want) <= tolerance(dtype), rel_err(got, want)
-    plain = fused_chunk.forward_launches(plan, keep=False)
     assert [{o.name for o in x.writes()} for x in plain] == [set(FORWARD)]
 
 
@@ -339,10 +358,17 @@ def test_kept_rule():
     assert dv(plan(64, 64, "float16", g="key")) == [(32, 32, 3)]
     assert dv(plan(64, 64, g="key", gk=True)) == [(16, 32, 3)]
     assert dv(plan(64, 64, "float32", g="key")) == [(16, 32, 1)]
+    # A stored as A^T on sm_90's tiles (the forward that stores A spilled there), as A
+    # on sm_80's (A^T spilled)
+    a_t = lambda p: {x.constexprs["A_T"] for x in fused_chunk.forward_launches(p)  # noqa: E731
+                     + fused_chunk.backward_launches(p, True, fused_chunk.kept(p))
+                     if x.constexprs.get("KEEP_A") or x.constexprs.get("KEPT")}
+    assert a_t(plan(128, 128, g="key")) == {False}
     with tuning.on_device("9.0 Fake GPU"):
         assert fused_chunk.kept(plan(128, 128, g="key")) == ("A",)
         assert dv(plan(128, 128, g="key")) == [(32, 32, 3)]
         assert dv(plan(128, 128, "float16", g="key")) == [(16, 16, 3)]
+        assert a_t(plan(128, 128, g="key")) == {True}
 
 
 def test_backward_choice(monkeypatch):

@@ -100,7 +100,7 @@ def fused_chunk_fwd_kernel(
     G_MODE: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr, GAMMA_MODE: tl.constexpr,
     USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr,
     LEVELS: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr,
-    NS: tl.constexpr, LOCAL: tl.constexpr, KEEP_A: tl.constexpr,
+    NS: tl.constexpr, LOCAL: tl.constexpr, KEEP_A: tl.constexpr, A_T: tl.constexpr,
 ):
     """One (sequence x head, segment, V block): o [B,T,H,V] (q's dtype) chunk by chunk
     and ht [N,H,K,V] fp32, the state after the sequence (h0 [N,H,K,V] before it).
@@ -112,7 +112,8 @@ def fused_chunk_fwd_kernel(
     K in blocks of BK there (the update is independent per key). With K in NK > 1 blocks
     otherwise (NS = 1): o is o_part [B,T,H,NK,V] fp32, each K block's partial, and ht
     gets each block's rows. KEEP_A: the first V block also writes each chunk's A to
-    a_kept [B,T,H,BT] (its dtype) for the backward (`kept`)."""
+    a_kept [B,T,H,BT] (its dtype) for the backward (`kept`), A_T: as A^T (row s, column
+    t's place in the chunk; fused_chunk_bwd.kept_a)."""
     scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     NV: tl.constexpr = (V + BV - 1) // BV
     NK: tl.constexpr = (K + BK - 1) // BK  # 1 but in LOCAL and with K split (config)
@@ -216,8 +217,12 @@ def fused_chunk_fwd_kernel(
                 b_aw = b_a.to(wop)
                 if KEEP_A:  # as A v takes it (fused_chunk_bwd.kept_a: wop), where it is made
                     if i_v == 0:
-                        tl.store(tile_ptrs(a_kept, row0, pos, i_h, o_t, H, BT), b_aw,
-                                 mask=mask_t[:, None])
+                        if A_T:
+                            tl.store(tile_ptrs(a_kept, row0, pos, i_h, o_t, H, BT),
+                                     tl.trans(b_aw), mask=mask_t[:, None])
+                        else:
+                            tl.store(tile_ptrs(a_kept, row0, pos, i_h, o_t, H, BT), b_aw,
+                                     mask=mask_t[:, None])
                 acc = op_dot(b_aw, b_v, acc, op, DOT_PREC)
                 b_vg = b_v
             b_o = acc.to(o.dtype.element_ty)
@@ -429,7 +434,7 @@ def forward_launches(plan, keep: bool = True) -> list:
             scalars=dict(scale=plan.scale, T=T), outputs=dict(dict(la=None, lb=None), **outputs),
             constexprs=dict(dict(flags(plan), BT=bt, BK=c["BK"], BKI=c["BKI"], BV=c["BV"],
                                  LEVELS=levels, DOT_PREC=chunk.dot_precision(),
-                                 STAGES=c["stages"], KEEP_A=False), **kw),
+                                 STAGES=c["stages"], KEEP_A=False, A_T=False), **kw),
             num_warps=c["num_warps"], num_stages=c["stages"], dot_flops=int(flops),
             bytes=int(nbytes))
 
@@ -437,6 +442,7 @@ def forward_launches(plan, keep: bool = True) -> list:
     o = dict(o=Out("o", (B, T, H, V), "like:q"), ht=final, a_kept=None)
     keep = dict(a_kept=fused_chunk_bwd.kept_a(plan, bt)) if keep and kept(plan) else {}
     a_bytes = keep["a_kept"].nbytes(plan) if keep else 0
+    keep_consts = dict(KEEP_A=True, A_T=fused_chunk_bwd.kept_transposed()) if keep else {}
     if NK > 1:  # v and gv read per K block
         part = Out("o_part", (B, T, H, NK, V))
         vside = sum(plan.nbytes(n) for n in plan.inputs() if n in ("v", "gv"))
@@ -449,8 +455,7 @@ def forward_launches(plan, keep: bool = True) -> list:
         return [launch(1, dict(o, a_kept=keep.get("a_kept")),
                        reads + plan.nbytes("o") + state + a_bytes, flops,
                        h0="initial_state" if plan.initial_state else None,
-                       USE_H0=plan.initial_state, NS=1, LOCAL=False,
-                       KEEP_A=bool(keep))]
+                       USE_H0=plan.initial_state, NS=1, LOCAL=False, **keep_consts)]
     # the local pass: NS-1 of NS segments of k, v and the gates; no q, no o
     part = (NS - 1) / NS
     kv = sum(plan.nbytes(n) for n in plan.inputs() if n not in ("q", "initial_state"))
@@ -464,7 +469,7 @@ def forward_launches(plan, keep: bool = True) -> list:
     output = launch(NS, dict(o, a_kept=keep.get("a_kept")),
                     reads - state * plan.initial_state + NS * state
                     + plan.nbytes("o") + state + a_bytes, flops,
-                    h0="split_S", USE_H0=True, NS=NS, LOCAL=False, KEEP_A=bool(keep))
+                    h0="split_S", USE_H0=True, NS=NS, LOCAL=False, **keep_consts)
     return [local, split.combine_launch(plan, NS), output]
 
 

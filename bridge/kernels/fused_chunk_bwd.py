@@ -20,8 +20,9 @@ key decays from the chunk start to t (A_t) and from t + 1 to its end, and pairs 
           carried [BK] sum;
       DV, per V block (all of K): dv_s = (k_s gated to the end) dS_end + sum_{t>=s} A_ts do_t
           in v's dtype (fp32 per query head with GQA), A the forward's (its diagonal the
-          step's own term): the block of the forward's kept A (fused_chunk.kept) that the
-          chunk covers, else built again (intra.py), and d(initial_state).
+          step's own term): the block of the forward's kept A (fused_chunk.kept; A^T on
+          sm_90, `kept_transposed`) that the chunk covers, else built again (intra.py),
+          and d(initial_state).
   fused_chunk_bwd_combine_kernel  the same per (sequence x head) from dk' [B,T,H,K] fp32,
       where the DK walk does not (`config`'s fold: a head gate's or g_gamma's gradient, a
       sum over K, with K in several blocks).
@@ -224,7 +225,7 @@ def fused_chunk_bwd_dkv_kernel(
     USE_H0: tl.constexpr, USE_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
     REVERSE: tl.constexpr, LEVELS: tl.constexpr, DOT_PREC: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, FOLD: tl.constexpr, STAGES: tl.constexpr,
-    KEPT: tl.constexpr, BTF: tl.constexpr,
+    KEPT: tl.constexpr, BTF: tl.constexpr, A_T: tl.constexpr,
 ):
     """One (sequence x head, K block, V block), chunks last to first, dS [BK, BV] fp32 in
     registers. DK (all of V, NV = 1): dk' [B,T,H,K] fp32; with FOLD instead the combine's
@@ -233,7 +234,7 @@ def fused_chunk_bwd_dkv_kernel(
     K, NK = 1):
     dv per query head [B,T,H,V] with the step's own term, and (USE_H0) dh0 [N,H,K,V]
     fp32; KEPT: A from a_kept [B,T,H,BTF], the forward's (its chunks of BTF tokens, a
-    multiple of BT), else built here."""
+    multiple of BT; A_T: stored as A^T), else built here."""
     scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     i_nh, i_h, i_hk, bos, eos, gamma, base, o_k, o_v, mask_k, mask_v, p_kv = _program(
         cu_seqlens, g_gamma, T, H, HK, K, V, BK, BV, NK, NV, IS_VARLEN, GAMMA_MODE)
@@ -301,14 +302,16 @@ def fused_chunk_bwd_dkv_kernel(
             # A^T do with the forward's A (its diagonal the step's own term), then the
             # chunk end's state gradient through k gated to the end
             if KEPT:  # this chunk's block of the forward's chunk (BTF a multiple of BT)
-                b_a = load_tile(a_kept, row0, pos, i_h,
-                                tl.multiple_of((nc - 1 - i) * BT % BTF, BT) + o_t, mask_t,
-                                o_t < BT, H, BTF)
+                b_at = load_tile(a_kept, row0, pos, i_h,
+                                 tl.multiple_of((nc - 1 - i) * BT % BTF, BT) + o_t, mask_t,
+                                 o_t < BT, H, BTF)
+                if not A_T:
+                    b_at = tl.trans(b_at)
             else:
-                b_a = intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, 0, 1, H,
-                            HK, K, BK, G_MODE, USE_GK, GAMMA_MODE, LEVELS, DOT_PREC,
-                            STAGES > 1, KGATE and not PER_KEY)
-            acc_v = op_dot(tl.trans(b_a).to(wide_dtype(op)), b_do, None, op, DOT_PREC)
+                b_at = tl.trans(intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale,
+                                      0, 1, H, HK, K, BK, G_MODE, USE_GK, GAMMA_MODE, LEVELS,
+                                      DOT_PREC, STAGES > 1, KGATE and not PER_KEY))
+            acc_v = op_dot(b_at.to(wide_dtype(op)), b_do, None, op, DOT_PREC)
             if LATE:
                 a = _key_decays(g, gk, gamma, row0, pos, mask_t, i_h, o_k, mask_k, H, K,
                                 G_MODE, USE_GK, GAMMA_MODE)
@@ -565,9 +568,17 @@ def config(plan, a_chunk: int = 0) -> dict:
 def kept_a(plan, bt: int) -> Out:
     """The forward's A [B,T,H,bt] as the dv walk's A^T do takes it (common.wide_dtype): in
     q's dtype for bf16 (2 bytes a token, head and chunk position: bt/K times q's size),
-    fp32 for fp16 (its tf32 products) and fp32."""
+    fp32 for fp16 (its tf32 products) and fp32; transposed where `kept_transposed`."""
     return Out("A", (plan.B, plan.T, plan.H, bt),
                "like:q" if plan.dtype == "bfloat16" else "float32")
+
+
+def kept_transposed() -> bool:
+    """Whether the kept A is stored as A^T (row s, column t's place in the chunk): on
+    sm_90's tiles (tuning.wgmma), where the forward that stores A^T builds without spills
+    at K = V = 32..128 but 100 and the one that stores A spilled 12-24 B; on sm_80's
+    tiles storing A^T spilled 60 B at K = V = 128, A none."""
+    return tuning.wgmma()
 
 
 def launches(plan, use_dht: bool, a_chunk: int = 0) -> list:
@@ -649,7 +660,7 @@ def launches(plan, use_dht: bool, a_chunk: int = 0) -> list:
             outputs=dict(no_dk, **dk_walk["outputs"], dv=None, dh0=None),
             constexprs=dict(walk["bwd_dk"], BK=c["SK"], BV=c["BV"], NK=nk, NV=1, DK=True,
                             DV=False, FOLD=fold, STAGES=c["stages"]["bwd_dk"], KEPT=False,
-                            BTF=0),
+                            BTF=0, A_T=False),
             num_warps=c["warps"]["bwd_dk"], dot_flops=dot_flops("bwd_dk"),
             bytes=int(qkvdo + tokens * H * K * isz + dk_walk["bytes"]))]),
         # the dv walk (with_dk: and dk', all of K and V in one program)
@@ -664,7 +675,8 @@ def launches(plan, use_dht: bool, a_chunk: int = 0) -> list:
                             if plan.initial_state else None),
                constexprs=dict(walk["bwd_dv"], BK=c["BK"], BV=c["SV"], NK=1, NV=nv, DK=merged,
                                DV=True, FOLD=fold and merged,
-                               STAGES=c["stages"]["bwd_dv"], KEPT=a_chunk > 0, BTF=a_chunk),
+                               STAGES=c["stages"]["bwd_dv"], KEPT=a_chunk > 0, BTF=a_chunk,
+                               A_T=a_chunk > 0 and kept_transposed()),
                num_warps=c["warps"]["bwd_dv"],
                dot_flops=dot_flops("bwd_dv") + (dot_flops("bwd_dk") if merged else 0),
                bytes=int(qkvdo + tokens * H * K * isz + tokens * H * V * (isz if own else 4)
