@@ -426,36 +426,37 @@ def forward_launches(plan, keep: bool = True) -> list:
     state = N * H * K * V * 4
     reads = sum(plan.nbytes(n) for n in plan.inputs())
 
-    def launch(grid, outputs, nbytes, flops, **kw):
+    def launch(grid, outputs, nbytes, flops, a=None, **kw):
+        """One launch of the forward kernel; `a`: the Out of the A it keeps, or None."""
         return Launch(
             fused_chunk_fwd_kernel, grid=(grid * c["NV"] * N * H,),
             inputs=dict(q="q", k="k", v="v", **gate_inputs(plan), **varlen_input(plan),
                         h0=kw.pop("h0")),
-            scalars=dict(scale=plan.scale, T=T), outputs=dict(dict(la=None, lb=None), **outputs),
+            scalars=dict(scale=plan.scale, T=T),
+            outputs=dict(dict(la=None, lb=None, a_kept=a), **outputs),
             constexprs=dict(dict(flags(plan), BT=bt, BK=c["BK"], BKI=c["BKI"], BV=c["BV"],
                                  LEVELS=levels, DOT_PREC=chunk.dot_precision(),
-                                 STAGES=c["stages"], KEEP_A=False, A_T=False), **kw),
+                                 STAGES=c["stages"], KEEP_A=a is not None,
+                                 A_T=a is not None and fused_chunk_bwd.kept_transposed()),
+                            **kw),
             num_warps=c["num_warps"], num_stages=c["stages"], dot_flops=int(flops),
-            bytes=int(nbytes))
+            bytes=int(nbytes + (0 if a is None else a.nbytes(plan))))
 
     final = Out("final_state", (N, H, K, V))
-    o = dict(o=Out("o", (B, T, H, V), "like:q"), ht=final, a_kept=None)
-    keep = dict(a_kept=fused_chunk_bwd.kept_a(plan, bt)) if keep and kept(plan) else {}
-    a_bytes = keep["a_kept"].nbytes(plan) if keep else 0
-    keep_consts = dict(KEEP_A=True, A_T=fused_chunk_bwd.kept_transposed()) if keep else {}
+    o = dict(o=Out("o", (B, T, H, V), "like:q"), ht=final)
+    a = fused_chunk_bwd.kept_a(plan, bt) if keep and kept(plan) else None
     if NK > 1:  # v and gv read per K block
         part = Out("o_part", (B, T, H, NK, V))
         vside = sum(plan.nbytes(n) for n in plan.inputs() if n in ("v", "gv"))
-        return [launch(NK, dict(o=part, ht=final, a_kept=None),
+        return [launch(NK, dict(o=part, ht=final),
                        reads + (NK - 1) * vside + part.nbytes(plan) + state, flops,
                        h0="initial_state" if plan.initial_state else None,
                        USE_H0=plan.initial_state, NS=1, LOCAL=False),
                 _ksum_launch(plan, NK)]
     if NS == 1:
-        return [launch(1, dict(o, a_kept=keep.get("a_kept")),
-                       reads + plan.nbytes("o") + state + a_bytes, flops,
+        return [launch(1, o, reads + plan.nbytes("o") + state, flops, a,
                        h0="initial_state" if plan.initial_state else None,
-                       USE_H0=plan.initial_state, NS=1, LOCAL=False, **keep_consts)]
+                       USE_H0=plan.initial_state, NS=1, LOCAL=False)]
     # the local pass: NS-1 of NS segments of k, v and the gates; no q, no o
     part = (NS - 1) / NS
     kv = sum(plan.nbytes(n) for n in plan.inputs() if n not in ("q", "initial_state"))
@@ -463,13 +464,12 @@ def forward_launches(plan, keep: bool = True) -> list:
                 lb=Out("split_lb", (N, H, NS - 1, V)) if plan.gv else None)
     bk = min(c["BK"], split.LOCAL_BK)
     local = launch((NS - 1) * -(-K // bk), dict(o=None, ht=Out("split_F", (N, H, NS - 1, K, V)),
-                                                a_kept=None, **sums),
+                                                **sums),
                    part * kv + (NS - 1) * state, part * per_chunk * chunks * K * c["BV"],
                    h0=None, USE_H0=False, NS=NS, LOCAL=True, BK=bk)
-    output = launch(NS, dict(o, a_kept=keep.get("a_kept")),
-                    reads - state * plan.initial_state + NS * state
-                    + plan.nbytes("o") + state + a_bytes, flops,
-                    h0="split_S", USE_H0=True, NS=NS, LOCAL=False, **keep_consts)
+    output = launch(NS, o, reads - state * plan.initial_state + NS * state
+                    + plan.nbytes("o") + state, flops, a,
+                    h0="split_S", USE_H0=True, NS=NS, LOCAL=False)
     return [local, split.combine_launch(plan, NS), output]
 
 
