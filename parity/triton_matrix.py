@@ -39,12 +39,12 @@ ARCHS = (80, 90)
 # The fused kernels: none on sm_90; 8 B on sm_80 (the gv backward with hints). The chunked
 # ones: 256 B on sm_90 (the fp32 FMA products and the every-flag K = V = 64 variants; the
 # bf16/fp16 configurations none: tests/test_compiled_report.py); on sm_80 the every-gate
-# 16-bit dq/dk spills (the readiness report's sm_80 rows), not held. fused_chunk: its
-# every-gate K = V = 64 forward, bf16 on sm_80 (16 B split under 3.7.1, else 8) and fp16
-# on sm_90 (8 B); fp32 splits K past 64 and sm_80 takes 16-token chunks where 32 spilled
+# 16-bit dq/dk spills (the readiness report's sm_80 rows), not held. fused_chunk: none on
+# sm_90; on sm_80 its every-gate K = V = 64 bf16 forward split into segments (8 B, outside
+# the chunk loop); fp32 splits K past 64 and sm_80 takes 16-token chunks where 32 spilled
 # (fused_chunk.config).
 SPILL_LIMIT = {"fused_recurrent": {80: 8, 90: 0}, "chunk": {90: 256},
-               "fused_chunk": {80: 16, 90: 8}}
+               "fused_chunk": {80: 8, 90: 0}}
 # Wide heads (a variant K<k>-V<v>-... with k or v past WIDE) are held to no spills instead:
 # their plans take narrower blocks there (fused_chunk.config's K split, chunk.WIDE_K), and
 # every kernel of every family then fits its registers, but the chunked dq/dk with every

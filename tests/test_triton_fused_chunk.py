@@ -54,7 +54,7 @@ def run_family(case, arrays, dtype, backward=False, use_dht=True, keep=True):
         if not use_dht:
             env.pop("dfinal_state")
         bwd = mod.backward_launches(plan, use_dht, kept)
-        assert any(x.constexprs.get("KEPT") for x in bwd) == bool(kept)
+        assert any(x.constexprs.get("BTF") for x in bwd) == bool(kept)
         on_chip = fused_chunk_bwd.supported(plan)
         assert on_chip == any(x.kernel is fused_chunk_bwd.fused_chunk_bwd_dkv_kernel
                               for x in bwd), [x.kernel.__name__ for x in bwd]
@@ -185,6 +185,8 @@ def test_bf16_key_decays_past_64_keys_on_16_token_chunks():
     # decays the same for every key: A without levels, the key blocks all of K, the chunk
     # loop pipelined at 4 warps on 32-wide V blocks and 32-token chunks, on every arch
     ("head-bf16-32", "bfloat16", 32, None, dict(BKI=32, BV=32, num_warps=4, stages=3, BT=32)),
+    # (a head gate with mma.sync past 64 keys on 64-key blocks)
+    ("head-fp16-96", "float16", 96, None, dict(BKI=64, BV=32, num_warps=4, stages=3, BT=32)),
     ("gamma-bf16-128", "bfloat16", 128, None,
      dict(BKI=128, BV=32, num_warps=4, stages=3, BT=32)),
     # sm_90: gv's levels beside V blocks of 64 (wgmma), fp16 with per-key decays and gv
@@ -193,6 +195,8 @@ def test_bf16_key_decays_past_64_keys_on_16_token_chunks():
     ("gv-fp16-100-sm90", "float16", 100, "9.0 Fake GPU", dict(BKI=64, BV=64, BT=16)),
     ("head-fp16-64-sm90", "float16", 64, "9.0 Fake GPU",
      dict(BKI=64, BV=32, num_warps=4, stages=3, BT=32)),
+    ("head-bf16-96-sm90", "bfloat16", 96, "9.0 Fake GPU",  # (bf16's past 64 keys on 32)
+     dict(BKI=32, BV=32, num_warps=4, stages=3, BT=32)),
     ("gamma-fp16-96-sm90", "float16", 96, "9.0 Fake GPU",
      dict(BKI=128, BV=32, num_warps=4, stages=3, BT=32)),
     # sm_90: all of V (40, padded to 64) in one block, pipelined, at K = 64 in both 16-bit
@@ -362,8 +366,18 @@ def test_kept_rule():
     # on sm_80's (A^T spilled)
     a_t = lambda p: {x.constexprs["A_T"] for x in fused_chunk.forward_launches(p)  # noqa: E731
                      + fused_chunk.backward_launches(p, True, fused_chunk.kept(p))
-                     if x.constexprs.get("KEEP_A") or x.constexprs.get("KEPT")}
+                     if x.constexprs.get("KEEP_A") or x.constexprs.get("BTF")}
     assert a_t(plan(128, 128, g="key")) == {False}
+    # the buffer's dtype (host, kept_a) is the one the kernels make A in (common.wide_dtype
+    # of the dot operands' dtype), so the store rounds nothing away and wastes no bytes
+    import triton.language as tl
+
+    from bridge.kernels.common import op_dtype, wide_dtype
+    from bridge.launch import resolve_dtype
+    for dt in ("bfloat16", "float16", "float32"):
+        p = plan(64, 64, dt, g="key")
+        host = resolve_dtype(fused_chunk_bwd.kept_a(p, 32).dtype, p.tensor_dtype)
+        assert getattr(tl, host) == wide_dtype(op_dtype(getattr(tl, dt))), dt
     with tuning.on_device("9.0 Fake GPU"):
         assert fused_chunk.kept(plan(128, 128, g="key")) == ("A",)
         assert dv(plan(128, 128, g="key")) == [(32, 32, 3)]
@@ -580,10 +594,13 @@ def test_sm90_tiles_bf16(case):
         head = contract.check(*bf16, g=torch.zeros(1, 1, 2, dtype=torch.bfloat16))
         assert fused_chunk_bwd.config(head)["stages"] == dict(bwd_dq=3, bwd_dk=3, bwd_dv=3)
         # decays the same for every key (sm90-varlen-head runs them): 32-wide V blocks,
-        # 32-token chunks, the chunk loop pipelined at 4 warps, as sm_80's
+        # 32-token chunks, the chunk loop pipelined at 4 warps, as sm_80's; key blocks of
+        # all of K, but a head gate's on 32 (sm_80's on 64)
         gamma = contract.check(*bf16, g_gamma=torch.zeros(2))
         sm90 = [fused_chunk.config(c) for c in (head, gamma)]
-    assert sm90 == [fused_chunk.config(c) for c in (head, gamma)]
+    sm80 = [fused_chunk.config(c) for c in (head, gamma)]
+    assert [dict(c, BKI=0) for c in sm90] == [dict(c, BKI=0) for c in sm80]
+    assert [c["BKI"] for c in sm90] == [32, 128] and [c["BKI"] for c in sm80] == [64, 128]
     assert [(c["BV"], c["BT"], c["num_warps"], c["stages"]) for c in sm90] == [(32, 32, 4, 3)] * 2
     assert_close(errs, "bfloat16")
 

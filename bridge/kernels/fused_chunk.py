@@ -217,12 +217,8 @@ def fused_chunk_fwd_kernel(
                 b_aw = b_a.to(wop)
                 if KEEP_A:  # as A v takes it (fused_chunk_bwd.kept_a: wop), where it is made
                     if i_v == 0:
-                        if A_T:
-                            tl.store(tile_ptrs(a_kept, row0, pos, i_h, o_t, H, BT),
-                                     tl.trans(b_aw), mask=mask_t[:, None])
-                        else:
-                            tl.store(tile_ptrs(a_kept, row0, pos, i_h, o_t, H, BT), b_aw,
-                                     mask=mask_t[:, None])
+                        tl.store(tile_ptrs(a_kept, row0, pos, i_h, o_t, H, BT),
+                                 tl.trans(b_aw) if A_T else b_aw, mask=mask_t[:, None])
                 acc = op_dot(b_aw, b_v, acc, op, DOT_PREC)
                 b_vg = b_v
             b_o = acc.to(o.dtype.element_ty)
@@ -314,12 +310,14 @@ def config(plan) -> dict:
     spilled) and the intra-chunk products on K blocks BKI of 64 (every level of A from
     each block, `intra`: fewer, longer level runs); the lean tiles with decays the same
     for every key ("scalar": A is q k^T times one [BT, BT] matrix of decays, no levels)
-    on key blocks of all of K and the chunk loop pipelined (stages 3, below), on sm_80
-    up to K = 128; 16 bits with K split, or with gv on sm_80 and per-key (or no) key decays at K
-    <= 32: 4 warps (8 spilled with every gate under triton 3.6) and chunk.intra_bk's
-    blocks; else 8 warps and chunk.intra_bk's blocks (gv's levels and fp32's FMA products
-    spilled at 4 on sm_90), but BKI 64 for 16 bits with gv (32 spilled on sm_80; there
-    bf16 past 64 keys keeps 32, where 64 spilled more). On sm_90 (`tuning.wgmma`) the lean
+    on key blocks of all of K (a head gate's at 64 < K <= 128 on 64 with sm_80's
+    mma.sync, on 32 in bf16 on sm_90) and the chunk loop pipelined (stages 3, below), on
+    sm_80 up to K = 128; 16 bits with K split, or with gv on sm_80 and per-key (or no)
+    key decays at K <= 32: 4 warps (8 spilled with every gate under triton 3.6) and
+    chunk.intra_bk's blocks; else 8 warps and chunk.intra_bk's blocks (gv's levels and
+    fp32's FMA products spilled at 4 on sm_90), but BKI 64 for 16 bits with gv (32
+    spilled on sm_80; there bf16 past 64 keys keeps 32, where 64 spilled more). On sm_90
+    (`tuning.wgmma`) the lean
     forward with per-key or no decays, with 32 < V <= 128 and K <= 128 takes all of V in
     one block at 8 warps with key blocks BKI of all of K: one program a head instead of
     one a V block, so A is built once (spilled 1.6 KB on sm_80), and its chunk loop
@@ -387,8 +385,13 @@ def config(plan) -> dict:
              else 4 if lean or (half and split) or (gv16 and per_key and not wgmma and BK <= 32)
              else 8)
     # gv in 16 bits: every level from 64-key blocks, as the lean tiles (32 spilled 24-60 B
-    # on sm_80), but bf16 past 64 keys with mma.sync (64 spilled more)
-    bki = (128 if whole or scalar
+    # on sm_80), but bf16 past 64 keys with mma.sync (64 spilled more); the scalar tiles
+    # of a head gate (g [B,T,H], loaded with the tiles) at 64 < K <= 128 on 64-key blocks
+    # with mma.sync (all of K ran 12-15% longer in the time model), on 32 in bf16 with
+    # wgmma (all of K spilled 12 B at 96 keys; fp16's ran 3-22% longer on 32 or 64)
+    head = (scalar and plan.g == "head" and 64 < BK <= 128
+            and (not wgmma or plan.dtype == "bfloat16"))
+    bki = (32 if head and wgmma else 128 if whole or (scalar and not head)
            else 64 if lean or (gv16 and (wgmma or BK <= 64 or plan.dtype == "float16"))
            else chunk.intra_bk(plan))
     knobs = tuning.pick(plan, "fused_chunk", "fused_chunk_fwd_kernel",

@@ -225,7 +225,7 @@ def fused_chunk_bwd_dkv_kernel(
     USE_H0: tl.constexpr, USE_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
     REVERSE: tl.constexpr, LEVELS: tl.constexpr, DOT_PREC: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, FOLD: tl.constexpr, STAGES: tl.constexpr,
-    KEPT: tl.constexpr, BTF: tl.constexpr, A_T: tl.constexpr,
+    BTF: tl.constexpr, A_T: tl.constexpr,
 ):
     """One (sequence x head, K block, V block), chunks last to first, dS [BK, BV] fp32 in
     registers. DK (all of V, NV = 1): dk' [B,T,H,K] fp32; with FOLD instead the combine's
@@ -233,13 +233,14 @@ def fused_chunk_bwd_dkv_kernel(
     and the gates' gradients (dg_head and dgamma only with all of K, NK = 1). DV (all of
     K, NK = 1):
     dv per query head [B,T,H,V] with the step's own term, and (USE_H0) dh0 [N,H,K,V]
-    fp32; KEPT: A from a_kept [B,T,H,BTF], the forward's (its chunks of BTF tokens, a
-    multiple of BT; A_T: stored as A^T), else built here."""
+    fp32; BTF > 0: A from a_kept [B,T,H,BTF], the forward's (its chunks of BTF tokens, a
+    multiple of BT; A_T: stored as A^T), else (BTF = 0) built here."""
     scale = tl.cast(scale, tl.float32)  # a float scalar may come as fp64 (common.py)
     i_nh, i_h, i_hk, bos, eos, gamma, base, o_k, o_v, mask_k, mask_v, p_kv = _program(
         cu_seqlens, g_gamma, T, H, HK, K, V, BK, BV, NK, NV, IS_VARLEN, GAMMA_MODE)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
     PER_KEY: tl.constexpr = (G_MODE == 2) or USE_GK
+    KEPT: tl.constexpr = BTF > 0
     # pipelined, the chunk's sums are read off the product that gates q (common.start_sums;
     # with DV it spilled)
     START: tl.constexpr = STAGES > 1 and not DV
@@ -659,8 +660,8 @@ def launches(plan, use_dht: bool, a_chunk: int = 0) -> list:
             scalars=dict(scale=plan.scale, T=T),
             outputs=dict(no_dk, **dk_walk["outputs"], dv=None, dh0=None),
             constexprs=dict(walk["bwd_dk"], BK=c["SK"], BV=c["BV"], NK=nk, NV=1, DK=True,
-                            DV=False, FOLD=fold, STAGES=c["stages"]["bwd_dk"], KEPT=False,
-                            BTF=0, A_T=False),
+                            DV=False, FOLD=fold, STAGES=c["stages"]["bwd_dk"], BTF=0,
+                            A_T=False),
             num_warps=c["warps"]["bwd_dk"], dot_flops=dot_flops("bwd_dk"),
             bytes=int(qkvdo + tokens * H * K * isz + dk_walk["bytes"]))]),
         # the dv walk (with_dk: and dk', all of K and V in one program)
@@ -675,7 +676,7 @@ def launches(plan, use_dht: bool, a_chunk: int = 0) -> list:
                             if plan.initial_state else None),
                constexprs=dict(walk["bwd_dv"], BK=c["BK"], BV=c["SV"], NK=1, NV=nv, DK=merged,
                                DV=True, FOLD=fold and merged,
-                               STAGES=c["stages"]["bwd_dv"], KEPT=a_chunk > 0, BTF=a_chunk,
+                               STAGES=c["stages"]["bwd_dv"], BTF=a_chunk,
                                A_T=a_chunk > 0 and kept_transposed()),
                num_warps=c["warps"]["bwd_dv"],
                dot_flops=dot_flops("bwd_dv") + (dot_flops("bwd_dk") if merged else 0),
