@@ -14,9 +14,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import bridge.kernels  # noqa: E402,F401  (decides the interpreter before triton is imported)
+import triton.language as tl  # noqa: E402
 from bridge import contract, grads, torch_runner, tuning  # noqa: E402
 from bridge.kernels import family, fused_chunk, fused_chunk_bwd  # noqa: E402
-from bridge.kernels.common import next_pow2  # noqa: E402
+from bridge.kernels.common import next_pow2, op_dtype, wide_dtype  # noqa: E402
+from bridge.launch import resolve_dtype  # noqa: E402
 from parity import backends, cases  # noqa: E402
 from parity.compare import assert_close, errors, rel_err, tolerance  # noqa: E402
 # the chunk family's cases: every gate kind, reverse, varlen with empty and one-token
@@ -370,10 +372,6 @@ def test_kept_rule():
     assert a_t(plan(128, 128, g="key")) == {False}
     # the buffer's dtype (host, kept_a) is the one the kernels make A in (common.wide_dtype
     # of the dot operands' dtype), so the store rounds nothing away and wastes no bytes
-    import triton.language as tl
-
-    from bridge.kernels.common import op_dtype, wide_dtype
-    from bridge.launch import resolve_dtype
     for dt in ("bfloat16", "float16", "float32"):
         p = plan(64, 64, dt, g="key")
         host = resolve_dtype(fused_chunk_bwd.kept_a(p, 32).dtype, p.tensor_dtype)
