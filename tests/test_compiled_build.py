@@ -343,13 +343,22 @@ def test_trip_counts_follow_dtypes(tmp_path, monkeypatch):
 # thread index, for the final state's store) in local memory, stored before the loop and
 # loaded after it, never inside it; by (arch, dtype, gates, K = V, whether the forward
 # keeps A for the backward: fused_chunk.kept; on sm_90 it stores A^T and spills none),
-# the most under any supported Triton
+# the most under any supported Triton; and so gv beside decays the same for every key
+# (8 warps on sm_90; 4 in fp16 on sm_80 at K <= 64)
 _POST_LOOP_FWD_SPILLS = {(90, "bf16", "key", 96, False): 12, (90, "bf16", "key", 128, False): 12,
                          (80, "bf16", "key", 96, False): 36, (80, "fp16", "key", 96, False): 48,
                          (80, "fp16", "key", 128, False): 24,
                          (90, "fp16", "gamma", 96, False): 12,
                          (80, "bf16", "key", 96, True): 48, (80, "fp16", "key", 96, True): 24,
-                         (80, "fp16", "key", 128, True): 24}
+                         (80, "fp16", "key", 128, True): 24,
+                         **{(a, d, g, kv, False): b for a, d, g, kv, b in (
+                             (90, "bf16", "head+gv", 96, 36), (90, "bf16", "head+gv", 128, 60),
+                             (90, "bf16", "gamma+gv", 32, 20), (90, "bf16", "gamma+gv", 64, 24),
+                             (90, "bf16", "gamma+gv", 96, 48), (90, "bf16", "gamma+gv", 128, 60),
+                             (90, "fp16", "head+gv", 32, 12), (90, "fp16", "head+gv", 64, 24),
+                             (90, "fp16", "gamma+gv", 64, 24), (90, "fp16", "gamma+gv", 128, 60),
+                             (80, "fp16", "head+gv", 32, 12), (80, "fp16", "head+gv", 64, 12),
+                             (80, "fp16", "gamma+gv", 32, 24), (80, "fp16", "gamma+gv", 64, 12))}}
 
 _FUSED_CHUNK_16 = '''
 import json
@@ -539,7 +548,7 @@ def test_fused_chunk_walks_build_without_spills_on_sm80(tmp_path):
 
 
 _FUSED_CHUNK_16_FWD = '''
-import json
+import dataclasses, json
 from parity.compiled import build, report, sass
 from bridge.kernels import fused_chunk
 
@@ -547,9 +556,10 @@ out = []
 for arch in (80, 90):
     with build.for_arch(arch):  # each arch's own tiles (tuning.wgmma)
         for dtype in ("bf16", "fp16"):
-            for gates in ("key", "head", "none", "gamma", "gv", "all"):
+            for gates in ("key", "head", "none", "gamma", "gv", "all", "head+gv", "gamma+gv"):
                 for KV in (32, 64, 96, 128):
-                    plan = report.report_plan((1, 64, 16, KV, KV), dtype, gates)
+                    plan = report.report_plan((1, 64, 16, KV, KV), dtype, gates.split("+")[0])
+                    plan = dataclasses.replace(plan, gv=plan.gv or gates.endswith("+gv"))
                     for keep in (False, True) if fused_chunk.kept(plan) else (False,):
                         launches = fused_chunk.forward_launches(plan, keep=keep)
                         dtypes = build.tensor_dtypes(plan, [launches])
@@ -575,15 +585,16 @@ _KNOWN_FWD_SPILLS_3_6 = {(80, d, "all", kv, False) for d in ("bf16", "fp16") for
 @pytest.mark.matrix
 def test_fused_chunk_16bit_forward_spills_only_where_known(tmp_path):
     """fused_chunk's 16-bit forward (its own config, `fused_chunk.config`) at K = V = 32,
-    64, 96, 128 with every gate kind, gv alone and every gate at once, built for sm_80 and
-    sm_90 with each arch's tiles, with per-key decays both with the A it keeps for the
+    64, 96, 128 with every gate kind, gv alone, gv beside a head gate or g_gamma (A from
+    the pairs' decay sums) and every gate at once, built for sm_80 and sm_90 with each
+    arch's tiles, with per-key decays both with the A it keeps for the
     backward and without (no backward follows): no spills but under triton 3.6 in the
     plans known to (`_KNOWN_FWD_SPILLS_3_6`), and at most `_POST_LOOP_FWD_SPILLS`' bytes,
     with no local-memory instruction inside a loop."""
     import triton
 
     got = _compiled_json(tmp_path, _FUSED_CHUNK_16_FWD, timeout=1800)
-    assert len(got) == 2 * 2 * 6 * 4 + 2 * 2 * 4  # and "key" with A kept
+    assert len(got) == 2 * 2 * 8 * 4 + 2 * 2 * 4  # and "key" with A kept
     known = _KNOWN_FWD_SPILLS_3_6 if triton.__version__.startswith("3.6") else set()
     spilled = {tuple(row[:5]): row[5:] for row in got if row[5]}
     unknown = {p for p in spilled if p not in known and p not in _POST_LOOP_FWD_SPILLS}

@@ -80,6 +80,8 @@ CASES = [c.with_(gate_scale=0.02) for c in [
     C("gamma-head-rev", T=100, H=2, Hk=2, K=8, V=8, g_gamma="head", reverse=True),
     C("gv-rev-h0", T=100, H=1, Hk=1, K=8, V=8, gv=True, initial_state=True,
       reverse=True),
+    C("gamma-head-gv-h0", T=100, H=2, Hk=1, K=8, V=8, g_gamma="head", gv=True,
+      initial_state=True),
     # varlen: 3, 1, 0 and 2 chunks, one token, empty
     C("varlen-everything", H=2, Hk=1, K=5, V=7, g="key", gk=True, gv=True,
       g_gamma="seq", initial_state=True, seqlens=(70, 1, 0, 40), packed=True),

@@ -128,6 +128,36 @@ def test_low_precision(dtype, T):
     assert_close(run_case(case, dtype), dtype)
 
 
+# decays the same for every key beside gv: in 16 bits A from the pairs' decay sums (intra's
+# PAIRS), gv's value levels on it, both key gates' factors on the rows of q S and of v;
+# fp32 by the levels
+SCALAR_GV = [
+    C("head-gv-h0", T=150, H=2, Hk=1, K=40, V=24, g="head", gv=True, initial_state=True),
+    C("gamma-gv-rev", T=150, H=2, Hk=2, K=16, V=40, g_gamma="head", gv=True, reverse=True),
+    C("head-gamma-gv-varlen", H=2, Hk=1, K=8, V=8, seqlens=(70, 0, 1, 33), g="head",
+      g_gamma="seq", gv=True, initial_state=True, packed=True),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("case", SCALAR_GV, ids=lambda c: c.name)
+def test_scalar_decays_beside_gv(case, dtype):
+    assert_close(run_case(case, dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_scalar_decays_beside_gv_strong(dtype):
+    """Head log gates of -0.2..-10 a step beside gv's: fp32 (A by the levels there) at fp32
+    scan level (the bound of test_strong_gates_scan_precision), bf16 (A from the pairs'
+    sums) finite and within its tolerance."""
+    errs = run_case(C("strong-head-gv", T=150, H=1, Hk=1, K=16, V=16, g="head", gv=True,
+                      initial_state=True, gate_scale=10.0), dtype)
+    assert all(np.isfinite(v) for v in errs.values()), errs
+    if dtype == "float32":
+        assert errs["o"] < 2e-6 and errs["final_state"] < 2e-6, errs
+    assert_close(errs, dtype)
+
+
 def test_two_value_blocks_and_wide_k():
     """K = 100, V = 80 in fp32: K split past 64 (FMA products keep whole K rows per
     thread), in 4 blocks of 32 with gv (the last one masked), three V blocks of 32; 64

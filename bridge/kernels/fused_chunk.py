@@ -11,9 +11,9 @@ updates S:
     S  <- e^(the chunk's key decays) S e^(its value decays) + (k gated)^T (v gated)
 
 (gated to the chunk's end on the update side). With decays the same for every key (g
-[B,T,H], g_gamma) and no gv A is q k^T times e^(each pair's decay sum: one [BT, BT]
-matrix, common.pair_sums, no levels), and both gates are a factor a row, taken on the
-rows of q S and of v. The final state is the only extra
+[B,T,H], g_gamma; but fp32 beside gv) A is q k^T times e^(each pair's decay sum: one
+[BT, BT] matrix, common.pair_sums, no levels; gv's value levels then split that A), and
+both gates are a factor a row, taken on the rows of q S and of v. The final state is the only extra
 write (no per-chunk states h, no gated copies in HBM), but that under autograd with
 per-key decays the forward also writes A [B,T,H,BT] for the backward (`kept`). The
 name is the design's (flash-linear-attention calls its one-kernel GLA with the state in
@@ -125,9 +125,6 @@ def fused_chunk_fwd_kernel(
     i_hk = i_h // (H // HK)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
     PER_KEY: tl.constexpr = (G_MODE == 2) or USE_GK
-    # decays the same for every key: their factors on rows of q S and of v (gv's v rounded
-    # to the dot's operand in LOCAL: its factor stays on k)
-    SCALAR: tl.constexpr = KGATE and not PER_KEY and not USE_GV
     bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     gamma = head_gamma(g_gamma, i_n, i_h, H, GAMMA_MODE)
     o_t = tl.arange(0, BT)
@@ -142,6 +139,9 @@ def fused_chunk_fwd_kernel(
     p_kv = o_k[:, None] * V + o_v[None, :]
     op: tl.constexpr = op_dtype(q.dtype.element_ty)
     wop: tl.constexpr = wide_dtype(op)  # A's products (common.op_dot)
+    # decays the same for every key: factors on rows of q S and of v, A from the pairs'
+    # sums (`intra`'s PAIRS); fp32 beside gv by levels (the pairs spilled 8-24 B on sm_80)
+    SCALAR: tl.constexpr = KGATE and not PER_KEY and (not USE_GV or op != tl.float32)
     nc = tl.cdiv(eos - bos, BT)
     if NS == 1:
         c0, c1 = 0, nc
@@ -174,7 +174,8 @@ def fused_chunk_fwd_kernel(
                 b = decay_k_in(DV, gv, gv, 0., row0, pos, mask_t, i_h, o_v, mask_v, H, V, 0,
                                True, 0)
                 b_vg, l_v = _value_gated(b_vg.to(tl.float32), b, DV)
-                b_vg = b_vg.to(op)  # the dot's operand: rounded here, not later
+                if not SCALAR:  # the dot's operand: rounded here, not later
+                    b_vg = b_vg.to(op)
                 b_s *= exp_(l_v)
                 s_b += l_v
         else:
@@ -313,10 +314,12 @@ def config(plan) -> dict:
     on key blocks of all of K (a head gate's at 64 < K <= 128 on 64 with sm_80's
     mma.sync, on 32 in bf16 on sm_90) and the chunk loop pipelined (stages 3, below), on
     sm_80 up to K = 128; 16 bits with K split, or with gv on sm_80 and per-key (or no)
-    key decays at K <= 32: 4 warps (8 spilled with every gate under triton 3.6) and
+    key decays at K <= 32 or beside decays the same for every key (A from the pairs there
+    too) at K <= 64: 4 warps (8 spilled with every gate under triton 3.6) and
     chunk.intra_bk's blocks; else 8 warps and chunk.intra_bk's blocks (gv's levels and
     fp32's FMA products spilled at 4 on sm_90), but BKI 64 for 16 bits with gv (32
-    spilled on sm_80; there bf16 past 64 keys keeps 32, where 64 spilled more). On sm_90
+    spilled on sm_80; there bf16 past 64 keys keeps 32, where 64 spilled more), all of K
+    beside decays the same for every key past 64 keys. On sm_90
     (`tuning.wgmma`) the lean
     forward with per-key or no decays, with 32 < V <= 128 and K <= 128 takes all of V in
     one block at 8 warps with key blocks BKI of all of K: one program a head instead of
@@ -335,7 +338,8 @@ def config(plan) -> dict:
     decays over more than 64 keys (bf16's lean tiles: 0.6 KB spilled at K = 128 on
     32-token chunks; V blocks of 32 at 8 warps instead, spill-free on 32, ran about 3x
     the time model's chain) and fp32 with them and gv; on sm_90, fp16 with them over
-    more than 64 keys with gv or on all of V (280 B spilled on 32).
+    more than 64 keys with gv or on all of V (280 B spilled on 32); on both, 16 bits with
+    gv beside decays the same for every key over more than 64 keys.
     num_warps, BKI, BV, stages and BT: the device table's
     "fused_chunk_fwd_kernel" entry where it has one (`SITES`)."""
     check_k(plan, "fused_chunk")
@@ -355,6 +359,8 @@ def config(plan) -> dict:
     # decays the same for every key: pipelined on key blocks of all of K, but past 128
     # keys with mma.sync (352-784 B spilled in the loop at K = 256)
     scalar = lean and not per_key and (wgmma or BK <= 128)
+    # gv beside decays the same for every key (A from the pairs' sums, `intra`'s PAIRS)
+    pairs_gv = gv16 and not per_key
     # no decays with mma.sync: the lean tiles pipelined too, bf16 past 64 keys at 8 warps
     # (at 4: 12-60 B spilled outside the loop), fp16's at 2 stages (the model's chain at 3:
     # 0.517 against 0.257 ms at K = 128), not at K = 16 (48 B spilled in the loop)
@@ -370,19 +376,22 @@ def config(plan) -> dict:
     # on 8 warps), and fp32 with them and gv (its value levels' FMA products beside the
     # state: 132-168 B at K = 64; gv alone spilled on 16 tokens, none on 32); on sm_90
     # fp16 with them and gv over more than 64 keys, and so on the whole tiles (its tf32
-    # products: 48-84 B, 280 B)
+    # products: 48-84 B, 280 B); and 16 bits with gv beside decays the same for every key
+    # over more than 64 keys, with key blocks of all of K (32 tokens on 64-key blocks
+    # spilled 84-628 B on sm_90, 6-84 local-memory instructions in the loop)
     bt = (16 if keyed and (not wgmma and ((plan.dtype == "bfloat16" or lean) and BK > 64
                                           or plan.dtype == "float32" and plan.gv)
                            or wgmma and plan.dtype == "float16" and (plan.gv or whole)
-                           and BK > 64)
+                           and BK > 64) or (pairs_gv and BK > 64)
           else BT)
     # 8 warps for the lean tiles with mma.sync with per-key decays at K = 64 (4 spilled
     # 24-60 B); with mma.sync 16 bits with gv and per-key (or no) key decays at
     # K <= 32 on 4, as the lean tiles (8 spilled 48-72 B: fp16 without gates, bf16 with
-    # every gate)
+    # every gate), and beside decays the same for every key at K <= 64 (8 spilled 8-64 B)
     warps = (8 if whole or (lean and not wgmma and keyed and BK == 64)
              or (bare and plan.dtype == "bfloat16" and BK > 64)
-             else 4 if lean or (half and split) or (gv16 and per_key and not wgmma and BK <= 32)
+             else 4 if lean or (half and split)
+             or (gv16 and not wgmma and BK <= (32 if per_key else 64))
              else 8)
     # gv in 16 bits: every level from 64-key blocks, as the lean tiles (32 spilled 24-60 B
     # on sm_80), but bf16 past 64 keys with mma.sync (64 spilled more); the scalar tiles
@@ -392,6 +401,7 @@ def config(plan) -> dict:
     head = (scalar and plan.g == "head" and 64 < BK <= 128
             and (not wgmma or plan.dtype == "bfloat16"))
     bki = (32 if head and wgmma else 128 if whole or (scalar and not head)
+           or (pairs_gv and BK > 64)
            else 64 if lean or (gv16 and (wgmma or BK <= 64 or plan.dtype == "float16"))
            else chunk.intra_bk(plan))
     knobs = tuning.pick(plan, "fused_chunk", "fused_chunk_fwd_kernel",

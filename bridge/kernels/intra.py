@@ -129,10 +129,9 @@ def intra(q, k, g, gk, gamma, row0, pos, mask_t, i_h, i_hk, scale, k0, nki, H: t
     or the program's K block when K is split). Per-key decays' pairs by levels
     (chunk_intra_kernel's construction), all of them from each block of BKI keys while
     its q, k and decay tiles are loaded (once a chunk); the diagonal q_t . k_t ungated.
-    PAIRS (decays the same for every key, g [B,T,H] or g_gamma, without gv: the kernel's
-    SCALAR): q k^T times e^(common.pair_sums); with gv those take the levels too (pairs
-    spilled on sm_80 beside gv's value levels). UNROLL (all of K, k0 = 0): the key blocks
-    and levels unrolled, for the pipeliner."""
+    PAIRS (decays the same for every key, g [B,T,H] or g_gamma, the kernel's SCALAR):
+    q k^T times e^(common.pair_sums). UNROLL (all of K, k0 = 0): the key blocks and
+    levels unrolled, for the pipeliner."""
     BT: tl.constexpr = pos.shape[0]
     o_t = tl.arange(0, BT)
     KGATE: tl.constexpr = (G_MODE > 0) or USE_GK or (GAMMA_MODE > 0)
