@@ -11,7 +11,7 @@ updates S:
     S  <- e^(the chunk's key decays) S e^(its value decays) + (k gated)^T (v gated)
 
 (gated to the chunk's end on the update side). With decays the same for every key (g
-[B,T,H], g_gamma; but fp32 beside gv) A is q k^T times e^(each pair's decay sum: one
+[B,T,H], g_gamma; not fp32 beside gv) A is q k^T times e^(each pair's decay sum: one
 [BT, BT] matrix, common.pair_sums, no levels; gv's value levels then split that A), and
 both gates are a factor a row, taken on the rows of q S and of v. The final state is the only extra
 write (no per-chunk states h, no gated copies in HBM), but that under autograd with
@@ -360,7 +360,9 @@ def config(plan) -> dict:
     # keys with mma.sync (352-784 B spilled in the loop at K = 256)
     scalar = lean and not per_key and (wgmma or BK <= 128)
     # gv beside decays the same for every key (A from the pairs' sums, `intra`'s PAIRS)
-    pairs_gv = gv16 and not per_key
+    # past 64 keys: 16-token chunks on key blocks of all of K (32 tokens on 64-key blocks
+    # spilled 84-628 B on sm_90, 6-84 local-memory instructions in the loop)
+    wide_pairs = gv16 and not per_key and BK > 64
     # no decays with mma.sync: the lean tiles pipelined too, bf16 past 64 keys at 8 warps
     # (at 4: 12-60 B spilled outside the loop), fp16's at 2 stages (the model's chain at 3:
     # 0.517 against 0.257 ms at K = 128), not at K = 16 (48 B spilled in the loop)
@@ -376,13 +378,11 @@ def config(plan) -> dict:
     # on 8 warps), and fp32 with them and gv (its value levels' FMA products beside the
     # state: 132-168 B at K = 64; gv alone spilled on 16 tokens, none on 32); on sm_90
     # fp16 with them and gv over more than 64 keys, and so on the whole tiles (its tf32
-    # products: 48-84 B, 280 B); and 16 bits with gv beside decays the same for every key
-    # over more than 64 keys, with key blocks of all of K (32 tokens on 64-key blocks
-    # spilled 84-628 B on sm_90, 6-84 local-memory instructions in the loop)
+    # products: 48-84 B, 280 B); and `wide_pairs`
     bt = (16 if keyed and (not wgmma and ((plan.dtype == "bfloat16" or lean) and BK > 64
                                           or plan.dtype == "float32" and plan.gv)
                            or wgmma and plan.dtype == "float16" and (plan.gv or whole)
-                           and BK > 64) or (pairs_gv and BK > 64)
+                           and BK > 64) or wide_pairs
           else BT)
     # 8 warps for the lean tiles with mma.sync with per-key decays at K = 64 (4 spilled
     # 24-60 B); with mma.sync 16 bits with gv and per-key (or no) key decays at
@@ -400,8 +400,7 @@ def config(plan) -> dict:
     # wgmma (all of K spilled 12 B at 96 keys; fp16's ran 3-22% longer on 32 or 64)
     head = (scalar and plan.g == "head" and 64 < BK <= 128
             and (not wgmma or plan.dtype == "bfloat16"))
-    bki = (32 if head and wgmma else 128 if whole or (scalar and not head)
-           or (pairs_gv and BK > 64)
+    bki = (32 if head and wgmma else 128 if whole or (scalar and not head) or wide_pairs
            else 64 if lean or (gv16 and (wgmma or BK <= 64 or plan.dtype == "float16"))
            else chunk.intra_bk(plan))
     knobs = tuning.pick(plan, "fused_chunk", "fused_chunk_fwd_kernel",
