@@ -221,6 +221,11 @@ def test_bf16_key_decays_past_64_keys_on_16_token_chunks():
     ("head-fp16-96", "float16", 96, None, dict(BKI=64, BV=32, num_warps=4, stages=3, BT=32)),
     ("gamma-bf16-128", "bfloat16", 128, None,
      dict(BKI=128, BV=32, num_warps=4, stages=3, BT=32)),
+    # (with mma.sync on 32-key blocks at K = 64, and fp16's g_gamma past 64 keys: on all
+    # of K it spilled in the loop at K = 100, keys masked in the last block)
+    ("head-bf16-64", "bfloat16", 64, None, dict(BKI=32, BV=32, num_warps=4, stages=3, BT=32)),
+    ("gamma-fp16-100", "float16", 100, None,
+     dict(BKI=32, BV=32, num_warps=4, stages=3, BT=32)),
     # sm_90: gv's levels beside V blocks of 64 (wgmma), fp16 with per-key decays and gv
     # past 64 keys on 16-token chunks
     ("gv-bf16-64-sm90", "bfloat16", 64, "9.0 Fake GPU", dict(BKI=64, BV=64, BT=32)),

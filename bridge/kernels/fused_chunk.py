@@ -312,7 +312,8 @@ def config(plan) -> dict:
     each block, `intra`: fewer, longer level runs); the lean tiles with decays the same
     for every key ("scalar": A is q k^T times one [BT, BT] matrix of decays, no levels)
     on key blocks of all of K (a head gate's at 64 < K <= 128 on 64 with sm_80's
-    mma.sync, on 32 in bf16 on sm_90) and the chunk loop pipelined (stages 3, below), on
+    mma.sync, on 32 in bf16 on sm_90; with mma.sync on 32 at K = 64 and fp16's g_gamma
+    past 64 keys) and the chunk loop pipelined (stages 3, below), on
     sm_80 up to K = 128; 16 bits with K split, or with gv on sm_80 and per-key (or no)
     key decays at K <= 32 or beside decays the same for every key (A from the pairs there
     too) at K <= 64: 4 warps (8 spilled with every gate under triton 3.6) and
@@ -400,7 +401,13 @@ def config(plan) -> dict:
     # wgmma (all of K spilled 12 B at 96 keys; fp16's ran 3-22% longer on 32 or 64)
     head = (scalar and plan.g == "head" and 64 < BK <= 128
             and (not wgmma or plan.dtype == "bfloat16"))
-    bki = (32 if head and wgmma else 128 if whole or (scalar and not head) or wide_pairs
+    # the scalar tiles with mma.sync on 32-key blocks at K = 64 (all of K ran 1.1-1.3x
+    # longer in the time model; at K = 48 32 ran longer) and fp16's g_gamma past 64 keys
+    # (all of K spilled 240 B at K = 100, 24 local-memory instructions in the loop)
+    narrow = scalar and not wgmma and (plan.K == 64 or plan.dtype == "float16"
+                                       and plan.g != "head" and BK > 64)
+    bki = (32 if head and wgmma or narrow
+           else 128 if whole or (scalar and not head) or wide_pairs
            else 64 if lean or (gv16 and (wgmma or BK <= 64 or plan.dtype == "float16"))
            else chunk.intra_bk(plan))
     knobs = tuning.pick(plan, "fused_chunk", "fused_chunk_fwd_kernel",
