@@ -151,7 +151,8 @@ def _property(name):
 
 # one test per backend, so each has its own example budget and report line
 for _name in BUDGET:
-    globals()["test_" + _name.replace("-", "_") + "_matches_oracle"] = _property(_name)
+    _test = _property(_name)
+    globals()[_test.__name__] = _test
 
 
 # The chunked families across their chunks on the interpreter (slow tier): the draws
@@ -183,8 +184,8 @@ def _across(name):
 
 
 for _name in ACROSS:
-    globals()["test_" + _name.replace("-", "_") + "_across_chunks_matches_oracle"] = \
-        _across(_name)
+    _test = _across(_name)
+    globals()[_test.__name__] = _test
 
 
 def test_every_cpu_backend_is_drawn():
